@@ -1,0 +1,87 @@
+"""Attention over the paged KV cache.
+
+The cache of one layer is a flat slot array `[num_blocks * block_size, kv_heads, head_dim]`; a token's
+slot is `block_table[pos // block_size] * block_size + pos % block_size`. A step's batch is a list of
+sequences, each contributing `q_len` new tokens (prefill chunk, 1 decode token, or k+1 verify rows)
+after `ctx_len - q_len` cached ones. `AttentionMetadata` is built once per step and shared by all layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] slots the new tokens' K/V are written to
+    batch_size: int
+    max_q_len: int
+    kv_slots: torch.Tensor | None  # [B, Lmax] slots to gather, None when kv_range is used
+    kv_range: tuple[int, int] | None  # single sequence whose KV is contiguous: slice, no gather
+    mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, None when no masking is needed
+    is_causal: bool  # single sequence prefill from position 0: SDPA's causal fast path
+    q_dest: torch.Tensor | None  # [T] row of each token in the padded [B * Qmax] layout; None if dense
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's tokens). Writes k, v to the cache and attends."""
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    B, Qmax = meta.batch_size, meta.max_q_len
+    H, D = q.shape[1], q.shape[2]
+    if meta.q_dest is None:
+        qp = q.view(B, Qmax, H, D)
+    else:
+        qp = q.new_zeros(B * Qmax, H, D)
+        qp[meta.q_dest] = q
+        qp = qp.view(B, Qmax, H, D)
+    if meta.kv_range is not None:
+        s, e = meta.kv_range
+        kp, vp = k_cache[s:e].unsqueeze(0), v_cache[s:e].unsqueeze(0)
+    else:
+        kp, vp = k_cache[meta.kv_slots], v_cache[meta.kv_slots]
+    out = F.scaled_dot_product_attention(
+        qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+        attn_mask=meta.mask, is_causal=meta.is_causal, scale=scale, enable_gqa=True,
+    )  # [B, H, Qmax, D]
+    out = out.transpose(1, 2).reshape(B * Qmax, H * D)
+    return out if meta.q_dest is None else out[meta.q_dest]
+
+
+def build_attention_metadata(q_lens, ctx_lens, block_tables, block_size, device) -> AttentionMetadata:
+    """q_lens/ctx_lens: per-sequence ints; block_tables: per-sequence lists of block ids."""
+    B = len(q_lens)
+    Qmax, Lmax = max(q_lens), max(ctx_lens)
+    slots, q_pos_rows = [], []
+    for ql, cl, bt in zip(q_lens, ctx_lens, block_tables):
+        for p in range(cl - ql, cl):
+            slots.append(bt[p // block_size] * block_size + p % block_size)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    q_dest = None
+    if any(ql != Qmax for ql in q_lens):
+        q_dest = torch.tensor([b * Qmax + i for b, ql in enumerate(q_lens) for i in range(ql)], device=device)
+    kv_range = kv_slots = None
+    if B == 1:
+        bt = block_tables[0]
+        nb = (ctx_lens[0] + block_size - 1) // block_size
+        if all(bt[i] == bt[0] + i for i in range(nb)):
+            kv_range = (bt[0] * block_size, bt[0] * block_size + ctx_lens[0])
+    if kv_range is None:
+        nb = (Lmax + block_size - 1) // block_size
+        table = torch.tensor([bt[:nb] + [0] * (nb - len(bt[:nb])) for bt in block_tables], dtype=torch.long)
+        offs = torch.arange(Lmax)
+        kv_slots = (table[:, offs // block_size] * block_size + offs % block_size).to(device)
+    is_causal = B == 1 and ctx_lens[0] == q_lens[0] and Qmax > 1
+    mask = None
+    if not is_causal and not (Qmax == 1 and all(c == Lmax for c in ctx_lens)):
+        ctx = torch.tensor(ctx_lens)
+        ql = torch.tensor(q_lens)
+        i = torch.arange(Qmax)
+        qpos = (ctx - ql)[:, None] + i[None, :]  # [B, Qmax] absolute position of each query row
+        j = torch.arange(Lmax)
+        mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
+        mask[:, :, 0] |= i[None, :] >= ql[:, None]  # padded query rows attend to slot 0: avoids NaN rows
+        mask = mask[:, None].to(device)
+    return AttentionMetadata(slot_mapping, B, Qmax, kv_slots, kv_range, mask, is_causal, q_dest)

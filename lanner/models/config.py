@@ -1,0 +1,87 @@
+"""Architecture-independent description of a decoder-only transformer."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = {
+    # HF `architectures[0]` / GGUF `general.architecture` -> model family
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+}
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+def check_architecture(arch: str) -> str:
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+        raise UnsupportedModelError(f"unsupported architecture {arch!r}; Lanner supports: {supported}")
+    return SUPPORTED_ARCHITECTURES[arch]
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
+        arch = archs[0]
+        check_architecture(arch)
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @property
+    def max_context(self) -> int:
+        # Lanner has no sliding-window attention: cap the context where full attention is still exact.
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
