@@ -1,0 +1,7 @@
+"""Lanner: a low-latency LLM inference engine."""
+from lanner.engine.request import RequestOutput
+from lanner.engine.sampling import SamplingParams
+from lanner.llm import LLM
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__version__ = "0.1.0"

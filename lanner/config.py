@@ -1,0 +1,84 @@
+"""Engine configuration, validated once at start-up."""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
+    dtype: str = "bfloat16"
+    device: str | None = None  # None: cuda if available, else cpu
+    block_size: int = 16
+    kv_cache_memory: str | float = "auto"  # "auto", GiB ("2GiB" or 2.0 > 1), or a fraction (0 < x <= 1)
+    max_num_seqs: int = 64  # running requests
+    max_queue_len: int = 1024  # waiting requests; beyond it new requests are refused
+    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("device: cuda was requested but torch sees no CUDA device")
+        if self.dtype == "float16" and self.device == "cpu":
+            raise ValueError("dtype: float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        for name in ("max_num_seqs", "max_queue_len", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def kv_cache_bytes(self, bytes_per_token: int) -> int:
+        """Resolve the KV budget. 'auto' = 90% of free device memory on CUDA; on CPU, 25% of available RAM
+        capped at 1 GiB (a CPU box is usually shared with other work)."""
+        spec, absolute = self.kv_cache_memory, False
+        if isinstance(spec, str):
+            m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(gib|gb|g)?\s*", spec.lower())
+            if spec == "auto":
+                spec = None
+            elif m is None:
+                raise ValueError(f"kv_cache_memory: expected 'auto', '<N>GiB' or a fraction, got {spec!r}")
+            else:
+                spec, absolute = float(m.group(1)), m.group(2) is not None
+        if spec is not None and spec <= 0:
+            raise ValueError("kv_cache_memory: must be positive")
+        if spec is not None and (absolute or spec > 1):
+            return int(spec * 2**30)
+        available = _available_bytes(self.device)
+        if spec is None:
+            if self.device == "cpu":
+                return int(min(0.25 * available, 2**30))
+            return int(0.9 * available)
+        return int(spec * available)
+
+
+def _available_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

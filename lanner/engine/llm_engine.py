@@ -1,0 +1,223 @@
+"""The synchronous engine: add requests, call step() until done. Everything else (Python API, server,
+benchmarks) drives this one loop."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from lanner.config import EngineConfig
+from lanner.engine.request import Request, RequestOutput, Status
+from lanner.engine.runner import ModelRunner
+from lanner.engine.sampling import SamplingParams, sample
+from lanner.engine.scheduler import QueueFullError, Scheduler
+from lanner.kvcache.block_manager import BlockManager
+from lanner.metrics import EngineMetrics
+from lanner.models.loader import ModelSource, load_model
+from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
+
+log = logging.getLogger("lanner")
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; `param` names the offending field (OpenAI error bodies carry it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.manual_seed(config.seed)
+        self.source = ModelSource.resolve(config.model)
+        self.model_name = config.served_model_name or self.source.name
+        t0 = time.perf_counter()
+        self.model, self.model_config = load_model(self.source, config.torch_dtype, config.device)
+        self.tokenizer = Tokenizer(self.source, self.model_config.eos_token_ids)
+        self.load_s = time.perf_counter() - t0
+        ctx = self.model_config.max_context
+        self.max_model_len = min(config.max_model_len or ctx, ctx)
+        per_token = ModelRunner.bytes_per_token(self.model_config, config.torch_dtype)
+        self.num_blocks = config.kv_cache_bytes(per_token) // (per_token * config.block_size)
+        if self.num_blocks < 2:
+            raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} leaves room for {self.num_blocks} blocks")
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_queue_len)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.torch_dtype, config.device)
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        log.info("loaded %s in %.1fs: %d KV blocks x %d tokens (%.2f GiB), max_model_len %d", self.model_name,
+                 self.load_s, self.num_blocks, config.block_size, self.num_blocks * config.block_size * per_token
+                 / 2**30, self.max_model_len)
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
+                     request_id: str | None = None, prompt_ids: list[int] | None = None) -> Request:
+        """Validates and tokenizes; raises RequestError naming the field. Does not queue."""
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        if prompt_ids is None:
+            if isinstance(prompt, str):
+                prompt_ids = self.tokenizer.encode(prompt) if prompt else []
+            elif isinstance(prompt, (list, tuple)):
+                prompt_ids = list(prompt)
+            else:
+                raise RequestError("prompt must be a string or a list of token ids", "prompt")
+        if not prompt_ids:
+            raise RequestError("prompt is empty", "prompt")
+        if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt_ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})", "prompt")
+        n = len(prompt_ids)
+        if n >= self.max_model_len:
+            raise RequestError(f"prompt is {n} tokens; this model's context is {self.max_model_len} tokens "
+                               "(prompt plus at least one generated token must fit)", "messages")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - n
+        if n + max_tokens > self.max_model_len:
+            raise RequestError(f"max_tokens={max_tokens} plus the {n}-token prompt exceeds the context of "
+                               f"{self.max_model_len} tokens; use max_tokens <= {self.max_model_len - n}",
+                               "max_tokens")
+        if -(-(n + max_tokens) // self.config.block_size) > self.num_blocks:
+            raise RequestError(f"prompt plus max_tokens ({n + max_tokens} tokens) does not fit in the KV cache "
+                               f"({self.num_blocks * self.config.block_size} tokens); raise kv_cache_memory",
+                               "max_tokens")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise RequestError(f"request id {rid!r} is already in use", "request_id")
+        req = Request(rid, prompt_ids, params, text, max_tokens, self.tokenizer.eos_token_ids)
+        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        return req
+
+    def add_request(self, prompt=None, params=None, request_id=None, prompt_ids=None) -> Request:
+        req = self.make_request(prompt, params, request_id, prompt_ids)
+        self.enqueue(req)
+        return req
+
+    def enqueue(self, req: Request):
+        try:
+            self.scheduler.add(req)
+        except QueueFullError as e:
+            raise RequestError(str(e), None) from e
+        self.requests[req.request_id] = req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.finished:
+            return None
+        self.scheduler.finish(req, "abort")
+        self._observe_finish(req)
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        preempted_before = self.scheduler.num_preemptions
+        items = self.scheduler.schedule()
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
+        outputs = []
+        if items:
+            now = time.perf_counter()
+            for it in items:
+                if it.request.first_scheduled_time is None:
+                    it.request.first_scheduled_time = now
+            try:
+                logits = self.runner.run(items)
+                sampling = [it.request for it in items if it.samples]
+                result = sample(logits, sampling) if sampling else None
+            except Exception as e:  # a bug or a device error: fail this batch, keep serving the rest
+                log.exception("engine step failed; failing %d requests", len(items))
+                self.metrics.step_errors.inc()
+                for it in items:
+                    it.request.error = f"internal error: {type(e).__name__}: {e}"
+                    outputs.append(self._finish(it.request, "error"))
+                return outputs
+            for it in items:
+                it.request.num_computed += it.num_tokens
+            for i, req in enumerate(sampling):
+                self._accept_token(req, result.token_ids[i], result.logprobs[i])
+            for it in items:
+                req = it.request
+                if not req.finished:
+                    self.block_manager.commit_full_blocks(req.block_table, req.block_hashes, req.all_ids,
+                                                          req.num_computed)
+                if it.samples:
+                    outputs.append(self._output(req))
+        self._update_gauges()
+        return outputs
+
+    def _accept_token(self, req: Request, token: int, logprob: dict | None):
+        req.append_token(token)
+        if req.logprobs is not None:
+            req.logprobs.append({"token_id": token, **logprob})
+        self.metrics.generation_tokens.inc()
+        if len(req.output_ids) == 1 and req.first_token_time is not None:
+            self.metrics.ttft.observe(req.first_token_time - req.arrival_time)
+        delta = req.detok.add([token])
+        req.text += delta
+        reason = None
+        if token in req.stop_ids:
+            reason = "stop"
+        elif req.params.stop and delta:
+            reason = self._check_stop_strings(req, len(delta))
+        if reason is None and (len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            self._finish(req, reason)
+
+    @staticmethod
+    def _check_stop_strings(req: Request, delta_len: int) -> str | None:
+        longest = max(len(s) for s in req.params.stop)
+        start = max(0, len(req.text) - delta_len - longest + 1)
+        for s in req.params.stop:
+            at = req.text.find(s, start)
+            if at >= 0:
+                req.text = req.text[: at + len(s)] if req.params.include_stop_str_in_output else req.text[:at]
+                return "stop"
+        return None
+
+    def _finish(self, req: Request, reason: str) -> RequestOutput:
+        self.scheduler.finish(req, reason)
+        self.requests.pop(req.request_id, None)
+        self._observe_finish(req)
+        return self._output(req)
+
+    def _observe_finish(self, req: Request):
+        m = req.metrics()
+        self.metrics.requests.labels(req.finish_reason).inc()
+        self.metrics.prompt_tokens.inc(m["prompt_tokens"])
+        self.metrics.cached_tokens.inc(m["cached_prompt_tokens"])
+        if m["tpot_s"] is not None:
+            self.metrics.tpot.observe(m["tpot_s"])
+        if req.first_token_time is not None:
+            self.metrics.e2e.observe(req.last_token_time - req.arrival_time)
+
+    def _update_gauges(self):
+        bm = self.block_manager
+        self.metrics.queue_len.set(len(self.scheduler.waiting))
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.kv_usage.set(bm.usage())
+        if bm.query_tokens:
+            self.metrics.prefix_hit_rate.set(bm.hit_tokens / bm.query_tokens)
+
+    def _output(self, req: Request) -> RequestOutput:
+        # while running, hold back text that could still become the start of a stop string
+        hold = 0 if req.finished or not req.params.stop else max(len(s) for s in req.params.stop) - 1
+        visible = req.text[: len(req.text) - hold] if hold else req.text
+        delta_text = visible[req.sent_text_len :]
+        req.sent_text_len = max(req.sent_text_len, len(visible))
+        delta_ids = req.output_ids[req.sent_tokens :]
+        delta_lp = req.logprobs[req.sent_tokens :] if req.logprobs is not None else None
+        req.sent_tokens = len(req.output_ids)
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids, text=visible,
+            token_ids=list(req.output_ids), finished=req.finished, finish_reason=req.finish_reason,
+            logprobs=req.logprobs, metrics=req.metrics(), delta_text=delta_text, delta_token_ids=delta_ids,
+            delta_logprobs=delta_lp, error=req.error,
+        )

@@ -1,0 +1,114 @@
+"""Continuous batching with chunked prefill, prefix caching and recompute preemption.
+
+Every step, each scheduled request advances by some number of tokens: 1 for a decoding request, a chunk
+for one that is still prefilling. Running requests go first (oldest first); then waiting requests are
+admitted while the token budget, the running limit and the KV pool allow. When a running request needs a
+block and none is free, the newest running request is preempted: its blocks are freed and it re-enters the
+queue at the front, to be recomputed (its verified blocks usually come back from the prefix cache).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from lanner.engine.request import Request, Status
+from lanner.kvcache.block_manager import BlockManager
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+@dataclass
+class ScheduledItem:
+    request: Request
+    start: int  # first position computed this step
+    num_tokens: int
+    samples: bool = False  # this step reaches the end of the request's tokens, so a new token is sampled
+
+    def __post_init__(self):
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_queue_len: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.max_queue_len = max_queue_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request):
+        if len(self.waiting) >= self.max_queue_len:
+            raise QueueFullError(f"the request queue is full ({self.max_queue_len} waiting); retry later")
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _blocks_needed(self, req: Request, upto: int) -> int:
+        return max(0, -(-upto // self.blocks.block_size) - len(req.block_table))
+
+    def _preempt(self, req: Request):
+        self.running.remove(req)
+        self.blocks.free(req.block_table)
+        req.block_table, req.block_hashes = [], []
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self) -> list[ScheduledItem]:
+        budget = self.budget
+        items: list[ScheduledItem] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed, budget)
+            need = self._blocks_needed(req, req.num_computed + n)
+            while need > self.blocks.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if req.status != Status.RUNNING:
+                break
+            req.block_table.extend(self.blocks.allocate(need))
+            items.append(ScheduledItem(req, req.num_computed, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached, hashes = self.blocks.match_prefix(req.all_ids)
+            num_cached = len(cached) * self.blocks.block_size
+            n = min(req.num_tokens - num_cached, budget)
+            need = -(-(num_cached + n) // self.blocks.block_size) - len(cached)
+            if not self.blocks.can_allocate(need, cached):
+                break  # the engine refuses requests that could not fit even alone, so this one waits
+            self.waiting.popleft()
+            self.blocks.acquire_cached(cached)
+            req.block_table = cached + self.blocks.allocate(need)
+            req.block_hashes = hashes
+            req.num_computed = num_cached
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_cached
+            self.blocks.query_tokens += req.num_tokens
+            self.blocks.hit_tokens += num_cached
+            req.status = Status.RUNNING
+            self.running.append(req)
+            items.append(ScheduledItem(req, num_cached, n))
+            budget -= n
+        return items
+
+    def finish(self, req: Request, reason: str):
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        self.blocks.free(req.block_table)
+        req.block_table = []
+        req.status = Status.FINISHED
+        req.finish_reason = reason

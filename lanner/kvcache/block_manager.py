@@ -1,0 +1,115 @@
+"""Paged KV block pool with hash-chained prefix caching.
+
+A full block is named by hash(parent block's hash, its token ids), so equal prefixes map to equal
+blocks. Freed blocks that carry a hash stay findable until their slot is reused (LRU order), which
+is what lets a multi-turn conversation skip prefilling its history again.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # free blocks without a hash, popped from the end: kept sorted descending so a lone request
+        # gets consecutive blocks, which lets attention slice its KV instead of gathering it
+        self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.free_cached: OrderedDict[int, None] = OrderedDict()  # free blocks with a hash, LRU first
+        self.hit_tokens = 0
+        self.query_tokens = 0
+
+    # ------------------------------------------------------------ accounting
+    @property
+    def num_free(self) -> int:
+        return len(self.free_plain) + len(self.free_cached)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def usage(self) -> float:
+        return self.num_used / self.num_blocks
+
+    # ------------------------------------------------------------ allocation
+    def _take_free(self) -> int:
+        if self.free_plain:
+            b = self.free_plain.pop()
+        elif self.free_cached:
+            b, _ = self.free_cached.popitem(last=False)
+            del self.hash_to_block[self.block_hash[b]]
+            self.block_hash[b] = None
+        else:
+            raise NoFreeBlocksError
+        self.ref_count[b] = 1
+        return b
+
+    def _release(self, b: int):
+        self.ref_count[b] -= 1
+        if self.ref_count[b] == 0:
+            if self.block_hash[b] is not None:
+                self.free_cached[b] = None
+            else:
+                self.free_plain.append(b)
+
+    def match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Longest cached prefix of full blocks -> (block ids, their hashes). Does not take references.
+        The last token is never matched: its logits must be computed."""
+        blocks, hashes = [], []
+        if not self.enable_prefix_caching:
+            return blocks, hashes
+        h = None
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            h = hash((h, tuple(token_ids[i * bs : (i + 1) * bs])))
+            b = self.hash_to_block.get(h)
+            if b is None:
+                break
+            blocks.append(b)
+            hashes.append(h)
+        return blocks, hashes
+
+    def can_allocate(self, n_new_blocks: int, cached_blocks: list[int]) -> bool:
+        # cached blocks that are currently free stop being free once we reference them
+        revived = sum(1 for b in cached_blocks if self.ref_count[b] == 0)
+        return self.num_free - revived >= n_new_blocks
+
+    def acquire_cached(self, blocks: list[int]):
+        for b in blocks:
+            if self.ref_count[b] == 0:
+                del self.free_cached[b]
+            self.ref_count[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        if n > self.num_free:
+            raise NoFreeBlocksError
+        return [self._take_free() for _ in range(n)]
+
+    def free(self, blocks: list[int]):
+        # release in reverse so a request's tail blocks are evicted before its shared head
+        for b in reversed(blocks):
+            self._release(b)
+        self.free_plain.sort(reverse=True)
+
+    def commit_full_blocks(self, blocks: list[int], hashes: list[int], token_ids: list[int], num_verified: int):
+        """Name every full block of verified tokens that has no hash yet; extends `hashes` in place."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        h = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_verified // bs):
+            h = hash((h, tuple(token_ids[i * bs : (i + 1) * bs])))
+            hashes.append(h)
+            b = blocks[i]
+            if h in self.hash_to_block:
+                continue  # an identical block exists already; keep ours unnamed
+            self.block_hash[b] = h
+            self.hash_to_block[h] = b

@@ -1,0 +1,55 @@
+"""vLLM-style offline API: `LLM(...).generate(prompts, params)` and `.chat(conversations, params)`."""
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from lanner.config import EngineConfig
+from lanner.engine.llm_engine import LLMEngine
+from lanner.engine.request import RequestOutput
+from lanner.engine.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "bfloat16", device: str | None = None,
+                 **engine_options):
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """prompts: a string, a token-id list, or a list of either. Returns one output per prompt, in order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run([self.engine.make_request(p, self._params(params, i)) for i, p in enumerate(prompts)],
+                         use_tqdm)
+
+    def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """conversations: one list of {"role", "content"} messages, or a list of such lists."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        reqs = [self.engine.make_request(None, self._params(params, i),
+                                         prompt_ids=self.tokenizer.apply_chat_template(conv))
+                for i, conv in enumerate(conversations)]
+        return self._run(reqs, use_tqdm)
+
+    @staticmethod
+    def _params(params, i):
+        if isinstance(params, list):
+            return params[i]
+        return params or SamplingParams()
+
+    def _run(self, reqs, use_tqdm) -> list[RequestOutput]:
+        # requests beyond the queue limit wait here rather than being refused: offline use has no client to retry
+        pending = list(reqs)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
+        while pending or self.engine.has_unfinished():
+            while pending and len(self.engine.scheduler.waiting) < self.engine.config.max_queue_len:
+                self.engine.enqueue(pending.pop(0))
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [final[r.request_id] for r in reqs]

@@ -1,0 +1,33 @@
+"""Prometheus metrics of one engine (own registry, so several engines can live in one process)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+
+
+class EngineMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.ttft = Histogram("lanner_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram("lanner_time_per_output_token_seconds", "Mean time per output token of a request",
+                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("lanner_request_latency_seconds", "End-to-end request latency", registry=r,
+                             buckets=_LATENCY_BUCKETS)
+        self.queue_len = Gauge("lanner_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.running = Gauge("lanner_num_requests_running", "Requests running", registry=r)
+        self.kv_usage = Gauge("lanner_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.prefix_hit_rate = Gauge("lanner_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
+                                     "prompt tokens admitted", registry=r)
+        self.prompt_tokens = Counter("lanner_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.cached_tokens = Counter("lanner_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                     registry=r)
+        self.generation_tokens = Counter("lanner_generation_tokens", "Tokens generated", registry=r)
+        self.requests = Counter("lanner_requests_finished", "Finished requests", ["finish_reason"], registry=r)
+        self.preemptions = Counter("lanner_preemptions", "Requests preempted for KV space", registry=r)
+        self.step_errors = Counter("lanner_step_errors", "Engine steps that raised; their requests failed",
+                                   registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
