@@ -58,6 +58,10 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        # transformers >= 5 writes `rope_parameters` (theta included); older configs `rope_theta` + `rope_scaling`
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = rope if (rope.get("rope_type") or rope.get("type") or "default") != "default" else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -68,8 +72,8 @@ class ModelConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=theta,
+            rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
