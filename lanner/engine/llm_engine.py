@@ -9,7 +9,7 @@ import time
 import torch
 
 from lanner.config import EngineConfig
-from lanner.engine.request import Request, RequestOutput, Status
+from lanner.engine.request import Request, RequestOutput
 from lanner.engine.runner import ModelRunner
 from lanner.engine.sampling import SamplingParams, sample
 from lanner.engine.scheduler import QueueFullError, Scheduler
@@ -111,6 +111,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(req, "abort")
         self._observe_finish(req)
+        self._update_gauges()  # no step may follow (the last request was aborted): refresh KV/queue gauges now
         return self._output(req)
 
     def has_unfinished(self) -> bool:
@@ -136,7 +137,8 @@ class LLMEngine:
                 self.metrics.step_errors.inc()
                 for it in items:
                     it.request.error = f"internal error: {type(e).__name__}: {e}"
-                    outputs.append(self._finish(it.request, "error"))
+                    self._finish(it.request, "error")
+                    outputs.append(self._output(it.request))
                 return outputs
             for it in items:
                 it.request.num_computed += it.num_tokens
@@ -182,11 +184,11 @@ class LLMEngine:
                 return "stop"
         return None
 
-    def _finish(self, req: Request, reason: str) -> RequestOutput:
+    def _finish(self, req: Request, reason: str):
+        # builds no output: _output() consumes the pending delta, so only the output actually returned may call it
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
         self._observe_finish(req)
-        return self._output(req)
 
     def _observe_finish(self, req: Request):
         m = req.metrics()

@@ -37,14 +37,13 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata):
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        T, H, Hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, H + 2 * Hkv, self.head_dim)
+        qk, v = qkv[:, : H + Hkv], qkv[:, H + Hkv :]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+        qk = apply_rotary(qk, cos, sin)  # q and k heads in one pass: fewer small ops per layer
+        q, k = qk[:, :H], qk[:, H:]
         return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
 
 

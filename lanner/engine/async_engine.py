@@ -1,0 +1,193 @@
+"""Asyncio front end of the synchronous engine.
+
+One daemon thread owns the LLMEngine (which is not thread-safe): it drains an inbox of add/abort commands,
+steps while there is work and sleeps on a condition variable when idle. Other threads only touch the inbox;
+outputs go back to each request's asyncio.Queue through its event loop's call_soon_threadsafe.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+
+from lanner.engine.llm_engine import LLMEngine, RequestError
+from lanner.engine.request import RequestOutput
+from lanner.engine.sampling import SamplingParams
+from lanner.engine.scheduler import QueueFullError
+
+log = logging.getLogger("lanner")
+
+
+class EngineOverloadedError(RequestError):
+    """The engine's waiting queue is full; the client should retry later (the server answers 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (shut down, or its thread died)."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._inbox: deque[tuple] = deque()  # ("add", Request, loop, queue) | ("abort", request_id)
+        self._stop = False
+        # request_id -> (loop, queue); touched only by the loop thread
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="lanner-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API (any thread)
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    async def generate(self, prompt: str | None, params: SamplingParams | None = None,
+                       prompt_ids: list[int] | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yields one RequestOutput per engine step that advanced the request; the last has finished=True.
+        Raises RequestError (validation, or EngineOverloadedError when the queue is full) at the first
+        iteration. Leaving early aborts the request: at once on cancellation or aclose(); after a bare
+        `break`, only when the event loop finalizes the abandoned generator, so call aclose() there."""
+        if not self.is_healthy:
+            raise EngineDeadError("the engine loop is not running")
+        # validation and tokenization happen here, before anything is queued; a uuid id cannot collide
+        req = self.engine.make_request(prompt, params, request_id or f"req-{uuid.uuid4().hex}", prompt_ids)
+        queue: asyncio.Queue = asyncio.Queue()
+        if not self._send(("add", req, asyncio.get_running_loop(), queue)):
+            raise EngineDeadError("the engine loop is not running")
+        done = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True  # the engine thread already dropped this request
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(req.request_id)
+
+    def abort(self, request_id: str):
+        """Aborts on the engine thread (which frees its KV blocks); a no-op for unknown or finished ids."""
+        self._send(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0):
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the loop thread
+    def _send(self, cmd: tuple) -> bool:
+        with self._cv:
+            if self._stop:  # the loop will not read the inbox again
+                return False
+            self._inbox.append(cmd)
+            self._cv.notify()
+            return True
+
+    def _run(self):
+        try:
+            while True:
+                with self._cv:
+                    while not (self._inbox or self._stop or self.engine.has_unfinished()):
+                        self._cv.wait()
+                    if self._stop:
+                        return
+                    cmds = list(self._inbox)
+                    self._inbox.clear()
+                for cmd in cmds:
+                    self._guarded(self._handle, cmd)
+                if self.engine.has_unfinished():
+                    self._guarded(self._step)
+        finally:
+            with self._cv:
+                self._stop = True
+                cmds = list(self._inbox)
+                self._inbox.clear()
+            dead = EngineDeadError("the engine loop stopped")
+            for cmd in cmds:  # requests that never reached the engine
+                if cmd[0] == "add":
+                    self._put(cmd[2], cmd[3], dead)
+            for loop, queue in self._streams.values():
+                self._put(loop, queue, dead)
+            self._streams.clear()
+
+    def _guarded(self, fn, *args):
+        # LLMEngine.step already turns model errors into finish_reason="error"; anything escaping it (or
+        # add/abort) is a bug: fail the affected requests instead of the whole loop
+        try:
+            fn(*args)
+        except Exception as e:
+            log.exception("engine loop: %s failed", fn.__name__)
+            self._fail_all(f"internal error: {type(e).__name__}: {e}")
+
+    def _handle(self, cmd: tuple):
+        if cmd[0] == "add":
+            _, req, loop, queue = cmd
+            self._streams[req.request_id] = (loop, queue)  # first, so that _fail_all reaches it too
+            try:
+                self.engine.enqueue(req)
+            except RequestError as e:
+                del self._streams[req.request_id]
+                if isinstance(e.__cause__, QueueFullError):
+                    e = EngineOverloadedError(str(e), e.param)
+                self._put(loop, queue, e)
+        else:
+            out = self.engine.abort(cmd[1])
+            if out is not None:
+                self._deliver(out)
+            self._streams.pop(cmd[1], None)
+
+    def _step(self):
+        for out in self.engine.step():
+            self._deliver(out)
+
+    def _deliver(self, out: RequestOutput):
+        stream = self._streams.get(out.request_id)
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+        if stream is not None and not self._put(*stream, out) and not out.finished:
+            self.engine.abort(out.request_id)  # its event loop is gone: nobody will read it
+
+    @staticmethod
+    def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, item) -> bool:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the loop is closed
+            return False
+
+    def _fail_all(self, message: str):
+        """After an unexpected exception: drop every request from the engine so the loop cannot spin on the
+        same failure, and end each stream with an error output."""
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                log.exception("engine loop: abort of %s failed", rid)
+                self.engine.requests.pop(rid, None)
+        if self.engine.has_unfinished():  # an abort failed too: drop what is left rather than spin on it
+            self.engine.scheduler.waiting.clear()
+            self.engine.scheduler.running.clear()
+        for rid, (loop, queue) in list(self._streams.items()):
+            self._put(loop, queue, _error_output(rid, message))
+        self._streams.clear()
+
+
+def _error_output(request_id: str, message: str) -> RequestOutput:
+    return RequestOutput(request_id=request_id, prompt=None, prompt_token_ids=[], text="", token_ids=[],
+                         finished=True, finish_reason="error", logprobs=None, metrics={}, error=message)
+

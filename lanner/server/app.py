@@ -1,0 +1,428 @@
+"""OpenAI-compatible HTTP server over an AsyncEngine.
+
+Status codes: 400 for requests the engine refuses (the body's `param` names the field), 401 for a missing or
+wrong API key (/v1 routes only), 500 when a request fails inside the engine, 503 when the waiting queue is
+full (type "server_error", code "engine_overloaded": the official clients retry it) or the engine loop is
+down. Streams always end with a usage chunk (empty `choices`) and `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import re
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from lanner.config import EngineConfig
+from lanner.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from lanner.engine.llm_engine import LLMEngine, RequestError
+from lanner.engine.request import RequestOutput
+from lanner.engine.sampling import SamplingParams
+from lanner.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+log = logging.getLogger("lanner.server")
+
+_DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks whether its client left
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union-member loc entries
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
+                 code: str | int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+
+def _error_json(status: int, message: str, param=None, type="invalid_request_error", code=None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status)
+
+
+def _param_from_loc(loc) -> str | None:
+    """("body", "messages", 0, "content", "list[TextPart]", 0, "text") -> "messages[0].content[0].text"."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif re.fullmatch(r"[a-z_][a-z0-9_]*", part) and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out or None
+
+
+class _ApiKeyMiddleware:
+    """Plain ASGI (not BaseHTTPMiddleware, which interferes with streaming and disconnect detection); runs
+    before body parsing, so an unauthenticated request never reaches validation."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(got, self.expected):
+                msg = "missing API key" if not got else "incorrect API key"
+                await _error_json(401, msg, code="invalid_api_key")(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _TokenText:
+    """Token id -> (text, exact bytes) for logprobs. Byte-level BPE pieces map back to their exact bytes,
+    so a token holding half a UTF-8 character still reports the right bytes."""
+
+    def __init__(self, tokenizer):
+        self.hf = tokenizer.hf
+        self.byte_level = type(self.hf.backend_tokenizer.decoder).__name__ == "ByteLevel"
+        if self.byte_level:
+            self.byte_decoder = _byte_decoder()
+        self.get = functools.lru_cache(maxsize=1 << 16)(self._get)
+
+    def _get(self, token_id: int) -> tuple[str, list[int]]:
+        if self.byte_level:
+            piece = self.hf.convert_ids_to_tokens(token_id)
+            if all(c in self.byte_decoder for c in piece):
+                raw = bytes(self.byte_decoder[c] for c in piece)
+                return raw.decode("utf-8", errors="replace"), list(raw)
+        text = self.hf.decode([token_id])
+        return text, list(text.encode())
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b], n = chr(256 + n), n + 1
+    return {c: b for b, c in chars.items()}
+
+
+def _lp(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -inf; OpenAI reports -9999.0 for impossible tokens
+
+
+def _usage(out: RequestOutput) -> Usage:
+    p, c = len(out.prompt_token_ids), len(out.token_ids)
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.metrics.get("cached_prompt_tokens", 0)))
+
+
+def _sse(obj) -> str:
+    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+async def _until_disconnect(awaitable, request: Request):
+    """Awaits `awaitable` in a task, cancelling it if the client disconnects meanwhile. Cancelling a task that
+    iterates AsyncEngine.generate aborts the request on the engine thread. Returns (done, result)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return True, task.result()
+            if await request.is_disconnected():
+                return False, None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="lanner", docs_url=None, redoc_url=None)
+    app.state.engine = engine
+    if api_key:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    tokens = _TokenText(engine.engine.tokenizer)
+
+    # ------------------------------------------------------------------ errors
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return _error_json(e.status, e.message, e.param, e.type, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, e: RequestValidationError):
+        errors = e.errors()
+        if errors[0].get("type") == "json_invalid":
+            return _error_json(400, f"malformed JSON body: {errors[0].get('msg')}")
+        param = _param_from_loc(errors[0].get("loc", ()))
+        # a union field fails once per member ("a valid string", "a valid list"): report them together
+        msgs = dict.fromkeys(err.get("msg") for err in errors if _param_from_loc(err.get("loc", ())) == param)
+        return _error_json(400, f"{param or 'body'}: {'; or '.join(msgs)}", param)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, e: HTTPException):
+        return _error_json(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500
+                           else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_, e: Exception):
+        log.exception("unhandled error")
+        return _error_json(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+
+    # ------------------------------------------------------------------ shared request handling
+    def check_common(body):
+        if body.model and body.model != engine.model_name:
+            raise APIError(400, f"model {body.model!r} is not served here; this server serves "
+                                f"{engine.model_name!r}", "model", code="model_not_found")
+        if body.n != 1:
+            raise APIError(400, "n: only n=1 is supported", "n")
+        if body.echo if isinstance(body, CompletionRequest) else False:
+            raise APIError(400, "echo: not supported", "echo")
+
+    def sampling_params(body, max_tokens, max_tokens_field: str, logprobs, logprobs_field: str):
+        kw = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                                     "frequency_penalty", "repetition_penalty", "seed")
+              if getattr(body, name) is not None}
+        try:
+            return SamplingParams(max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
+                                  ignore_eos=body.ignore_eos, logprobs=logprobs,
+                                  skip_special_tokens=body.skip_special_tokens,
+                                  include_stop_str_in_output=body.include_stop_str_in_output, **kw)
+        except ValueError as e:  # SamplingParams names the field first: "top_p: must be in (0, 1]"
+            param = str(e).split(":", 1)[0]
+            param = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(param, param)
+            raise APIError(400, str(e), param) from None
+
+    async def start(request: Request, params, prompt, prompt_ids, request_id, prompt_param):
+        """Submits and waits for the first output, so refusals become proper HTTP errors before any
+        streaming starts. Returns (stream, first output), or None if the client left meanwhile."""
+        stream = engine.generate(prompt, params, prompt_ids=prompt_ids, request_id=request_id)
+        try:
+            done, first = await _until_disconnect(stream.__anext__(), request)
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_overloaded") from None
+        except RequestError as e:
+            param = prompt_param if e.param in ("prompt", "messages") else e.param
+            raise APIError(400, str(e), param) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error") from None
+        if not done:
+            await stream.aclose()
+            return None
+        return stream, first
+
+    async def outputs(first: RequestOutput, stream) -> AsyncIterator[RequestOutput]:
+        try:
+            yield first
+            if not first.finished:
+                async for out in stream:
+                    yield out
+        finally:
+            await stream.aclose()  # aborts the request unless it finished
+
+    def engine_error(out: RequestOutput) -> APIError:
+        return APIError(500, out.error or "the request failed inside the engine", type="server_error",
+                        code="internal_error")
+
+    def sse_error(out: RequestOutput) -> str:
+        e = engine_error(out)
+        return _sse(ErrorResponse(error=ErrorInfo(message=e.message, type=e.type, code=e.code)))
+
+    async def finish(request: Request, first: RequestOutput, stream) -> RequestOutput | None:
+        if first.finished:
+            return first
+        done, out = await _until_disconnect(_last(outputs(first, stream)), request)
+        return out if done else None
+
+    # ------------------------------------------------------------------ logprobs formatting
+    def chat_logprobs(lps: list[dict] | None) -> ChatLogprobs | None:
+        if lps is None:
+            return None
+        content = []
+        for lp in lps:
+            text, raw = tokens.get(lp["token_id"])
+            top = [TopLogprob(token=t, logprob=_lp(v), bytes=b) for t, b, v in
+                   ((*tokens.get(tid), v) for tid, v in lp["top"])]
+            content.append(TokenLogprob(token=text, logprob=_lp(lp["logprob"]), bytes=raw, top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+    def completion_logprobs(lps: list[dict] | None, offset: int) -> CompletionLogprobs | None:
+        if lps is None:
+            return None
+        res = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for lp in lps:
+            text = tokens.get(lp["token_id"])[0]
+            res.tokens.append(text)
+            res.token_logprobs.append(_lp(lp["logprob"]))
+            res.top_logprobs.append({tokens.get(tid)[0]: _lp(v) for tid, v in lp["top"]})
+            res.text_offset.append(offset)
+            offset += len(text)
+        return res
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health():
+        if engine.is_healthy:
+            return {"status": "ok"}
+        return JSONResponse({"status": "engine loop is not running"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=engine.model_name, created=int(time.time()),
+                                         max_model_len=engine.engine.max_model_len)])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_common(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
+        max_tokens, field = ((body.max_completion_tokens, "max_completion_tokens")
+                             if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
+        params = sampling_params(body, max_tokens, field, (body.top_logprobs or 0) if body.logprobs else None,
+                                 "top_logprobs")
+        try:
+            prompt_ids = engine.engine.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in body.messages])
+        except Exception as e:  # noqa: BLE001 - no template, or the template itself rejects the conversation
+            raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        started = await start(request, params, None, prompt_ids, rid, "messages")
+        if started is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        stream, first = started
+
+        if not body.stream:
+            out = await finish(request, first, stream)
+            if out is None:
+                return Response(status_code=499)
+            if out.finish_reason == "error":
+                raise engine_error(out)
+            return ChatCompletionResponse(
+                id=rid, created=created, model=engine.model_name, usage=_usage(out),
+                choices=[ChatChoice(message={"content": out.text}, logprobs=chat_logprobs(out.logprobs),
+                                    finish_reason=out.finish_reason)])
+
+        def chunk(choices, usage=None) -> str:
+            return _sse(ChatCompletionChunk(id=rid, created=created, model=engine.model_name, choices=choices,
+                                            usage=usage))
+
+        async def events():
+            yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
+            async for out in outputs(first, stream):
+                if out.finish_reason == "error":
+                    yield sse_error(out)
+                    break
+                if out.delta_text or out.delta_logprobs:
+                    yield chunk([ChatChunkChoice(delta=DeltaMessage(content=out.delta_text),
+                                                 logprobs=chat_logprobs(out.delta_logprobs))])
+                if out.finished:
+                    yield chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=out.finish_reason)])
+                    yield chunk([], _usage(out))
+            yield "data: [DONE]\n\n"
+
+        return _streaming(events())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_common(body)
+        prompt, prompt_ids = body.prompt, None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, "prompt: only one prompt per request is supported", "prompt")
+            prompt = prompt[0]
+        elif isinstance(prompt, list):
+            prompt, prompt_ids = None, prompt
+        params = sampling_params(body, body.max_tokens, "max_tokens", body.logprobs, "logprobs")
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        started = await start(request, params, prompt, prompt_ids, rid, "prompt")
+        if started is None:
+            return Response(status_code=499)
+        stream, first = started
+
+        if not body.stream:
+            out = await finish(request, first, stream)
+            if out is None:
+                return Response(status_code=499)
+            if out.finish_reason == "error":
+                raise engine_error(out)
+            return CompletionResponse(
+                id=rid, created=created, model=engine.model_name, usage=_usage(out),
+                choices=[CompletionChoice(text=out.text, logprobs=completion_logprobs(out.logprobs, 0),
+                                          finish_reason=out.finish_reason)])
+
+        def chunk(choices, usage=None) -> str:
+            return _sse(CompletionResponse(id=rid, created=created, model=engine.model_name, choices=choices,
+                                           usage=usage))
+
+        async def events():
+            offset = 0
+            async for out in outputs(first, stream):
+                if out.finish_reason == "error":
+                    yield sse_error(out)
+                    break
+                if out.delta_text or out.delta_logprobs:
+                    lps = completion_logprobs(out.delta_logprobs, offset)
+                    yield chunk([CompletionChoice(text=out.delta_text, logprobs=lps)])
+                    offset += len(out.delta_text)
+                if out.finished:
+                    yield chunk([CompletionChoice(text="", finish_reason=out.finish_reason)])
+                    yield chunk([], _usage(out))
+            yield "data: [DONE]\n\n"
+
+        return _streaming(events())
+
+    return app
+
+
+def _streaming(events) -> StreamingResponse:
+    # Starlette cancels the body iterator when the client disconnects; the cancellation reaches
+    # AsyncEngine.generate, whose cleanup aborts the request and frees its KV blocks
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               log_level: str = "info"):
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(LLMEngine(config))
+    try:
+        uvicorn.run(build_app(engine, api_key), host=host, port=port, log_level=log_level)
+    finally:
+        engine.shutdown()
