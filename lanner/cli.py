@@ -1,0 +1,292 @@
+"""The `lanner` command line: serve, generate, chat, bench.
+
+A subcommand is one function decorated with @subcommand that adds its parser to the subparsers and sets
+`run` (a function of the parsed args returning an exit code or None). Heavy imports stay inside the `run`
+functions so that `--help` answers quickly.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+from lanner.config import DTYPES, EngineConfig
+
+SUBCOMMANDS = []
+
+
+def subcommand(add_parser):
+    SUBCOMMANDS.append(add_parser)
+    return add_parser
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Shows defaults that say something: not None/False, and not where the help already explains it."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if "default" in help or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return help
+        return f"{help} (default: %(default)s)"
+
+
+def new_parser(sub, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=description or help, formatter_class=_Formatter)
+
+
+# ------------------------------------------------------------------ shared options
+
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+
+def add_engine_args(p: argparse.ArgumentParser):
+    """The EngineConfig options; defaults come from EngineConfig so they are stated once."""
+    g = p.add_argument_group("engine options")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", choices=sorted(DTYPES), default=_ENGINE_DEFAULTS["dtype"], help="weights and KV dtype")
+    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    g.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS["block_size"],
+                   help="tokens per KV-cache block (a power of two)")
+    g.add_argument("--kv-cache-memory", default=_ENGINE_DEFAULTS["kv_cache_memory"],
+                   help="KV-cache size: 'auto', GiB ('2GiB'), or a fraction of free memory (0.5)")
+    g.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS["max_num_seqs"],
+                   help="requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS["max_num_batched_tokens"],
+                   help="tokens per engine step (longer prompts are prefilled in chunks)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
+    g.add_argument("--max-queue-len", type=int, default=_ENGINE_DEFAULTS["max_queue_len"],
+                   help="waiting requests beyond which new ones are refused")
+
+
+def engine_kwargs(args) -> dict:
+    """EngineConfig keyword arguments from parsed args. Validates them (and that the model exists) now, so a
+    bad option fails with its message before any model loading."""
+    from lanner.models.loader import ModelSource
+
+    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                  enable_prefix_caching=not args.no_prefix_caching, max_queue_len=args.max_queue_len)
+    try:
+        EngineConfig(**kwargs)
+        ModelSource.resolve(args.model)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"lanner: error: {e}")
+    return kwargs
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float):
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens (<= 0: off)")
+    g.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+
+
+def sampling_params(args):
+    from lanner.engine.sampling import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                              max_tokens=args.max_tokens)
+    except ValueError as e:
+        sys.exit(f"lanner: error: {e}")
+
+
+def load_llm(args):
+    from lanner.llm import LLM
+
+    return LLM(**engine_kwargs(args))
+
+
+def stream(engine, params, prompt):
+    """Yields the outputs of one request (prompt: text or token ids) as the engine produces them, driving the
+    engine's step loop."""
+    req = engine.add_request(prompt, params)
+    try:
+        while True:
+            for out in engine.step():
+                if out.request_id == req.request_id:
+                    yield out
+                    if out.finished:
+                        return
+    finally:  # the consumer stopped early (Ctrl-C): free the request's KV blocks
+        engine.abort(req.request_id)
+
+
+def print_stream(outputs) -> str:
+    """Prints each text delta as it arrives; returns the full text."""
+    text = ""
+    for out in outputs:
+        print(out.delta_text, end="", flush=True)
+        text = out.text
+        if out.error:
+            print(f"\nlanner: error: {out.error}", file=sys.stderr)
+    print()
+    return text
+
+
+# ------------------------------------------------------------------ serve
+
+@subcommand
+def add_serve(sub):
+    p = new_parser(sub, "serve", "Run the OpenAI-compatible HTTP server.",
+                   "Run the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+                   "/health, /metrics).")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("LANNER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $LANNER_API_KEY; unset: no auth)")
+    p.add_argument("--served-model-name", default=None, help="model name reported by the API")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_engine_args(p)
+    p.set_defaults(run=run_serve)
+
+
+def run_serve(args):
+    from lanner.server.app import run_server
+
+    config = EngineConfig(**engine_kwargs(args), served_model_name=args.served_model_name)
+    run_server(config, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+
+
+# ------------------------------------------------------------------ generate
+
+@subcommand
+def add_generate(sub):
+    p = new_parser(sub, "generate", "Complete one prompt and print the result.",
+                   "Complete one prompt and print the result to stdout.\n\n"
+                   "example: lanner generate \"The capital of France is\" --max-tokens 16 --temperature 0")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
+    add_sampling_args(p, max_tokens=256, temperature=1.0)  # 1.0: the API's default
+    add_engine_args(p)
+    p.set_defaults(run=run_generate)
+
+
+def run_generate(args):
+    from lanner.engine.llm_engine import RequestError
+
+    params = sampling_params(args)
+    llm = load_llm(args)
+    prompt = args.prompt
+    if args.chat:  # token ids: the template is applied once, here
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    try:
+        if args.stream:
+            print_stream(stream(llm.engine, params, prompt))
+            return 0
+        out = llm.generate(prompt, params)[0]
+    except RequestError as e:
+        sys.exit(f"lanner: error: {e}")
+    if out.error:
+        sys.exit(f"lanner: error: {out.error}")
+    print(out.text)
+
+
+# ------------------------------------------------------------------ chat
+
+@subcommand
+def add_chat(sub):
+    p = new_parser(sub, "chat", "Chat interactively in the terminal.",
+                   "Chat interactively in the terminal. The conversation is kept and sent through the model's "
+                   "chat template; replies stream as they are generated.\n\n"
+                   "commands: /reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply.")
+    p.add_argument("--system", default=None, help="system message for the conversation")
+    add_sampling_args(p, max_tokens=512, temperature=0.7)
+    add_engine_args(p)
+    p.set_defaults(run=run_chat)
+
+
+def run_chat(args):
+    from lanner.engine.llm_engine import RequestError
+
+    params = sampling_params(args)
+    llm = load_llm(args)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    history = list(start)
+    print(f"lanner chat with {llm.engine.model_name}. /reset clears the conversation, /exit quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history = list(start)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            reply = print_stream(stream(llm.engine, params, llm.tokenizer.apply_chat_template(history)))
+        except RequestError as e:  # usually the conversation outgrew the context
+            print(f"error: {e} (try /reset)", file=sys.stderr)
+            history.pop()
+            continue
+        except KeyboardInterrupt:  # drop the interrupted turn so the history stays well-formed
+            print("\n(reply stopped)", file=sys.stderr)
+            history.pop()
+            continue
+        history.append({"role": "assistant", "content": reply})
+
+
+# ------------------------------------------------------------------ bench
+
+@subcommand
+def add_bench(sub):
+    from lanner.bench import latency, throughput
+
+    p = new_parser(sub, "bench", "Measure latency and throughput.",
+                   "Measure Lanner's speed. Each benchmark prints a markdown table and writes a JSON file and "
+                   "a PNG chart.")
+    bench = p.add_subparsers(dest="benchmark", metavar="{latency,throughput}", required=True)
+    for module, name in ((latency, "latency"), (throughput, "throughput")):
+        b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
+        module.add_arguments(b)
+        add_engine_args(b)
+        b.set_defaults(run=_bench_runner(module))
+
+
+def _bench_runner(module):
+    def run(args):
+        module.run(args, engine_kwargs(args))  # its result dict is for Python callers, not an exit code
+    return run
+
+
+# ------------------------------------------------------------------ entry point
+
+def build_parser() -> argparse.ArgumentParser:
+    from lanner import __version__
+
+    parser = argparse.ArgumentParser(prog="lanner", formatter_class=_Formatter,
+                                     description="Lanner: a low-latency LLM inference engine.")
+    parser.add_argument("--version", action="version", version=f"lanner {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from lanner.models.config import UnsupportedModelError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args) or 0
+    except UnsupportedModelError as e:
+        sys.exit(f"lanner: error: {e}")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The `lanner` command, run as a user runs it: the installed console script in a subprocess."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lanner import LLM, SamplingParams
+
+_SCRIPT = Path(sys.executable).with_name("lanner")
+LANNER = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "lanner"]
+PROMPT = "The three primary colors are"
+
+
+def lanner(*args, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    return subprocess.run(LANNER + list(args), capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [[], ["serve"], ["generate"], ["chat"], ["bench"], ["bench", "latency"],
+                                     ["bench", "throughput"]])
+def test_help(command):
+    r = lanner(*command, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: lanner")
+    assert len(r.stdout.split("\n\n")[1].strip()) > 20  # a real description, not just usage
+
+
+def test_bad_option_is_a_clear_error():
+    r = lanner("generate", "hi", "--dtype", "float16", "--device", "cpu")
+    assert r.returncode != 0
+    assert "float16 is only supported on CUDA" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def greedy_text():
+    llm = LLM(dtype="float32")
+    return llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=8))[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_matches_python_api(greedy_text, stream):
+    r = lanner("generate", PROMPT, "--max-tokens", "8", "--temperature", "0", "--dtype", "float32",
+               *(["--stream"] if stream else []))
+    assert r.returncode == 0, r.stderr
+    assert greedy_text.strip()
+    assert r.stdout == greedy_text + "\n"
+
+
+def test_chat_repl_keeps_going_and_exits_on_eof():
+    r = subprocess.run(LANNER + ["chat", "--temperature", "0", "--max-tokens", "4", "--dtype", "float32"],
+                       input="Hello!\n/reset\nHi again.\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    replies = [line for line in r.stdout.split("> ") if line.strip()]
+    assert len(replies) == 2  # one per message; /reset produces none
+    assert "conversation cleared" in r.stderr
+
+
+def test_bench_latency(tmp_path):
+    out = tmp_path / "lat.json"
+    r = lanner("bench", "latency", "--max-tokens", "8", "--prompts", "1", "--no-hf", "--dtype", "float32",
+               "--json", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert {"benchmark", "model", "max_tokens", "prompts", "env", "systems", "greedy_match_vs_hf"} <= data.keys()
+    lanner_result = data["systems"]["lanner"]
+    assert lanner_result["tok_s"] > 0 and lanner_result["ttft_s"] > 0
+    assert [p["output_tokens"] for p in lanner_result["per_prompt"]] == [8]
+    assert data["systems"]["hf"] == {"skipped": "--no-hf"}
+    assert "llama.cpp" in data["systems"]
+    if "skipped" in data["systems"]["llama.cpp"]:
+        assert "SKIPPED" in r.stderr
+    assert (tmp_path / "lat.png").stat().st_size > 0
+    assert "| lanner |" in r.stdout
+
+
+def test_bench_latency_matches_hf_greedy(tmp_path):
+    """In float32 Lanner's greedy tokens must equal transformers' on the same weights."""
+    r = lanner("bench", "latency", "--max-tokens", "8", "--prompts", "1", "--dtype", "float32", "--out-dir",
+               str(tmp_path / "res"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "res" / "bench_latency.json").read_text())
+    assert data["systems"]["hf"]["tok_s"] > 0
+    assert data["greedy_match_vs_hf"] == [{"prompt": 0, "matched_prefix": 8, "tokens": 8, "identical": True}]
+    assert (tmp_path / "res" / "bench_latency.png").exists()
+    assert "vs HF" in r.stdout
+
+
+def test_bench_throughput(tmp_path):
+    out = tmp_path / "tp.json"
+    r = lanner("bench", "throughput", "--concurrency", "1,2", "--max-tokens", "8", "--num-requests", "2",
+               "--dtype", "float32", "--json", str(out), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "throughput"
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 2]
+    for lv in data["levels"]:
+        assert lv["requests"] == 2 and lv["output_tokens"] == 16
+        assert lv["output_tok_s"] > 0 and lv["ttft_p50_s"] > 0 and lv["mean_request_decode_tok_s"] > 0
+    assert data["levels"][0]["ratio_vs_lowest"] == 1.0
+    assert (tmp_path / "tp.png").stat().st_size > 0
+    assert "| 2 | 2 |" in r.stdout
