@@ -59,6 +59,15 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     g.add_argument("--max-queue-len", type=int, default=_ENGINE_DEFAULTS["max_queue_len"],
                    help="waiting requests beyond which new ones are refused")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec", choices=["ngram", "draft"], default=None,
+                   help="draft proposer: n-gram prompt lookup, or a draft (--draft) head/model; default: off")
+    g.add_argument("--draft", default=None,
+                   help="draft head folder (config.json + model.safetensors) or a smaller model sharing the tokenizer")
+    g.add_argument("--spec-tokens", type=int, default=_ENGINE_DEFAULTS["spec_tokens"],
+                   help="draft tokens verified per step (1..8)")
+    g.add_argument("--spec-max-batch", type=int, default=_ENGINE_DEFAULTS["spec_max_batch"],
+                   help="speculate only while at most this many requests run")
 
 
 def engine_kwargs(args) -> dict:
@@ -69,7 +78,9 @@ def engine_kwargs(args) -> dict:
     kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  enable_prefix_caching=not args.no_prefix_caching, max_queue_len=args.max_queue_len)
+                  enable_prefix_caching=not args.no_prefix_caching, max_queue_len=args.max_queue_len,
+                  spec=args.spec, draft=args.draft, spec_tokens=args.spec_tokens,
+                  spec_max_batch=args.spec_max_batch)
     try:
         EngineConfig(**kwargs)
         ModelSource.resolve(args.model)

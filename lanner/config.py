@@ -24,6 +24,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     served_model_name: str | None = None
+    skip_tokenizer: bool = False  # token ids in and out only
+    spec: str | None = None  # None: plain decoding; "ngram" (prompt lookup) or "draft" (needs `draft`)
+    draft: str | None = None  # draft model: HF folder / GGUF of a smaller model with the same tokenizer
+    spec_tokens: int = 5  # k: draft tokens verified per step
+    spec_max_batch: int = 8  # speculate only while at most this many requests run
+    ngram_min: int = 1
+    ngram_max: int = 4
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -38,6 +45,12 @@ class EngineConfig:
             raise ValueError("dtype: float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if self.spec not in (None, "ngram", "draft"):
+            raise ValueError(f"spec: must be 'ngram', 'draft' or None, got {self.spec!r}")
+        if self.spec == "draft" and not self.draft:
+            raise ValueError("draft: spec='draft' needs a draft model path")
+        if not 1 <= self.spec_tokens <= 8:
+            raise ValueError(f"spec_tokens: must be in 1..8, got {self.spec_tokens}")
         for name in ("max_num_seqs", "max_queue_len", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")

@@ -29,5 +29,13 @@ class EngineMetrics:
         self.step_errors = Counter("lanner_step_errors", "Engine steps that raised; their requests failed",
                                    registry=r)
 
+        self.spec_verify_steps = Counter("lanner_spec_verify_steps", "Speculative verify steps", registry=r)
+        self.spec_draft_tokens = Counter("lanner_spec_draft_tokens", "Draft tokens proposed", registry=r)
+        self.spec_emitted_tokens = Counter("lanner_spec_emitted_tokens", "Tokens emitted by verify steps "
+                                           "(accepted drafts + 1 each); / verify steps = acceptance length",
+                                           registry=r)
+        self.spec_accepted_at = Counter("lanner_spec_accepted_tokens", "Accepted draft tokens by chain position",
+                                        ["position"], registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

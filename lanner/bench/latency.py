@@ -46,6 +46,7 @@ def _summary(runs: list[dict]) -> dict:
         return median(vals) if vals else None
 
     return {"tok_s": mid("tok_s"), "ttft_s": mid("ttft_s"), "decode_tok_s": mid("decode_tok_s"),
+            "tau": mid("tau") if any("tau" in r for r in runs) else None,
             "per_prompt": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]}
 
 
@@ -67,7 +68,8 @@ def bench_lanner(llm, prompt_ids: list[list[int]], max_tokens: int) -> list[dict
         t0 = time.perf_counter()
         out = llm.generate(ids, params)[0]
         total = time.perf_counter() - t0
-        runs.append(_run_record(out.token_ids, total, out.metrics["ttft_s"]) | {"text": out.text})
+        runs.append(_run_record(out.token_ids, total, out.metrics["ttft_s"]) |
+                    {"text": out.text, "tau": out.metrics["spec_accept_length"]})
     return runs
 
 
@@ -161,13 +163,24 @@ def run(args, engine_options: dict) -> dict:
     print(f"latency: {source.name} ({config.dtype}, {config.device}), {len(prompts)} prompts x {args.max_tokens} "
           "tokens", file=sys.stderr, flush=True)
 
-    runs = {"lanner": bench_lanner(llm, prompt_ids, args.max_tokens)}
+    runs = {}
+    if config.spec:  # speculative decoding: plain decoding is the peer, measured in the same run
+        spec_name = f"lanner+{config.spec}"
+        runs[spec_name] = bench_lanner(llm, prompt_ids, args.max_tokens)
+        del llm
+        gc.collect()
+        llm = LLM(**{**engine_options, "spec": None, "draft": None})
+    runs["lanner"] = bench_lanner(llm, prompt_ids, args.max_tokens)
     del llm  # on CUDA the engine's KV cache holds most of the free memory: release it before loading HF
     gc.collect()
     if config.device.startswith("cuda"):
         torch.cuda.empty_cache()
 
-    systems = {"lanner": _summary(runs["lanner"])}
+    systems = {name: _summary(r) for name, r in runs.items()}
+    if config.spec:
+        systems[spec_name]["speedup_vs_plain"] = systems[spec_name]["tok_s"] / systems["lanner"]["tok_s"]
+        systems[spec_name]["greedy_identical_to_plain"] = all(
+            a["token_ids"] == b["token_ids"] for a, b in zip(runs[spec_name], runs["lanner"]))
     if args.no_hf:
         systems["hf"] = {"skipped": "--no-hf"}
     else:
@@ -196,6 +209,7 @@ def run(args, engine_options: dict) -> dict:
                         for i, (a, b) in enumerate(zip(runs["lanner"], runs["hf"]))]
 
     result = {"benchmark": "latency", "model": source.name, "model_path": source.path, "model_kind": source.kind,
+              "spec": config.spec, "draft": config.draft, "spec_tokens": config.spec_tokens if config.spec else None,
               "max_tokens": args.max_tokens, "prompts": prompts, "env": report.environment(config),
               "systems": systems, "greedy_match_vs_hf": greedy_match}
     report.write_json(json_path, result)
@@ -211,15 +225,20 @@ def run(args, engine_options: dict) -> dict:
 def format_table(result: dict) -> str:
     systems = result["systems"]
     hf = systems["hf"].get("tok_s")
+    plain = systems["lanner"]["tok_s"]
     rows = []
     for name, s in systems.items():
         if "skipped" in s:
-            rows.append([name, "skipped", "", "", s["skipped"]])
+            rows.append([name, "skipped", "", "", "", "", s["skipped"]])
             continue
         ratio = f"{s['tok_s'] / hf:.2f}x" if hf else "n/a"
         rows.append([name, report.fmt(s["tok_s"]), report.fmt(s["ttft_s"] and s["ttft_s"] * 1000),
-                     report.fmt(s["decode_tok_s"]), ratio])
-    text = report.markdown_table(["system", "tok/s", "TTFT ms", "decode-only tok/s", "vs HF"], rows)
+                     report.fmt(s["decode_tok_s"]), report.fmt(s.get("tau")), f"{s['tok_s'] / plain:.2f}x", ratio])
+    text = report.markdown_table(["system", "tok/s", "TTFT ms", "decode-only tok/s", "tau", "vs lanner plain",
+                                  "vs HF"], rows)
+    for name, s in systems.items():
+        if "greedy_identical_to_plain" in s:
+            text += f"\n\n{name} greedy output identical to plain decoding: {s['greedy_identical_to_plain']}"
     text += "\n\n(medians over prompts; tok/s = output tokens / total time including prefill)"
     if result["greedy_match_vs_hf"]:
         text += "\n\nLanner vs HF greedy token ids: " + ", ".join(

@@ -81,6 +81,10 @@ def run(args, engine_options: dict) -> dict:
     engine_options = engine_options | {"max_num_seqs": max(engine_options["max_num_seqs"], levels[-1])}
     llm = LLM(**engine_options)
     engine, config = llm.engine, llm.engine.config
+    # with speculative decoding, plain decoding runs the same levels in the same run: the ratio per level shows
+    # the batch size where drafting stops paying (what --spec-max-batch should be)
+    systems = {f"spec-{config.spec}": engine, "plain": LLM(**engine_options | {"spec": None, "draft": None}).engine} \
+        if config.spec else {"plain": engine}
 
     def chat_ids(prompts):
         return [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
@@ -90,30 +94,44 @@ def run(args, engine_options: dict) -> dict:
 
     # warm-up at the highest level: first-call overheads, and the shared system prompt enters the prefix cache
     # for every level alike
-    run_level(engine, chat_ids(prompt_pool(0, levels[-1])), levels[-1], 4, "warm-up")
+    for eng in systems.values():
+        run_level(eng, chat_ids(prompt_pool(0, levels[-1])), levels[-1], 4, "warm-up")
 
     rows = []
     for c in levels:
         n = args.num_requests or max(16, 2 * c)
-        outs, wall = run_level(engine, chat_ids(prompt_pool(c, n)), c, args.max_tokens, f"concurrency {c}")
-        ttfts = [o.metrics["ttft_s"] for o in outs]
-        decode = [o.metrics["decode_tok_s"] for o in outs if o.metrics["decode_tok_s"] is not None]
-        tokens = sum(len(o.token_ids) for o in outs)
-        rows.append({"concurrency": c, "requests": n, "output_tokens": tokens, "wall_s": wall,
-                     "output_tok_s": tokens / wall, "mean_request_decode_tok_s": mean(decode) if decode else None,
-                     "ttft_p50_s": median(ttfts),
-                     "ttft_p90_s": quantiles(ttfts, n=10)[-1] if len(ttfts) > 1 else ttfts[0]})
-    base = rows[0]["output_tok_s"]
-    for r in rows:
-        r["ratio_vs_lowest"] = r["output_tok_s"] / base
+        for name, eng in systems.items():
+            outs, wall = run_level(eng, chat_ids(prompt_pool(c, n)), c, args.max_tokens, f"{name} c={c}")
+            ttfts = [o.metrics["ttft_s"] for o in outs]
+            decode = [o.metrics["decode_tok_s"] for o in outs if o.metrics["decode_tok_s"] is not None]
+            taus = [o.metrics["spec_accept_length"] for o in outs if o.metrics["spec_accept_length"] is not None]
+            tokens = sum(len(o.token_ids) for o in outs)
+            rows.append({"system": name, "concurrency": c, "requests": n, "output_tokens": tokens, "wall_s": wall,
+                         "output_tok_s": tokens / wall,
+                         "mean_request_decode_tok_s": mean(decode) if decode else None,
+                         "ttft_p50_s": median(ttfts),
+                         "ttft_p90_s": quantiles(ttfts, n=10)[-1] if len(ttfts) > 1 else ttfts[0],
+                         "tau": mean(taus) if taus else None})
+    for name in systems:
+        base = next(r["output_tok_s"] for r in rows if r["system"] == name)
+        for r in rows:
+            if r["system"] == name:
+                r["ratio_vs_lowest"] = r["output_tok_s"] / base
+    if config.spec:
+        plain = {r["concurrency"]: r["output_tok_s"] for r in rows if r["system"] == "plain"}
+        for r in rows:
+            r["ratio_vs_plain"] = r["output_tok_s"] / plain[r["concurrency"]]
 
     result = {"benchmark": "throughput", "model": engine.source.name, "model_path": engine.source.path,
               "max_tokens": args.max_tokens, "lowest_concurrency": levels[0], "env": report.environment(config),
               "engine": {k: v for k, v in engine_options.items() if k != "model"}, "levels": rows}
     report.write_json(json_path, result)
-    report.line_chart(png_path, levels, {
-        "aggregate output tok/s": [r["output_tok_s"] for r in rows],
-        "mean per-request decode tok/s": [r["mean_request_decode_tok_s"] or 0 for r in rows]},
+    series = {}
+    for name in systems:
+        mine = [r for r in rows if r["system"] == name]
+        series[f"{name}: aggregate output tok/s"] = [r["output_tok_s"] for r in mine]
+        series[f"{name}: mean per-request decode tok/s"] = [r["mean_request_decode_tok_s"] or 0 for r in mine]
+    report.line_chart(png_path, levels, series,
         f"Throughput: {engine.source.name}, {config.dtype}, {config.device}", "concurrent requests", "tok/s")
     print(format_table(result))
     print(f"\nwrote {json_path} and {png_path}")
@@ -121,8 +139,9 @@ def run(args, engine_options: dict) -> dict:
 
 
 def format_table(result: dict) -> str:
-    rows = [[r["concurrency"], r["requests"], report.fmt(r["output_tok_s"]),
-             report.fmt(r["mean_request_decode_tok_s"]), report.fmt(r["ttft_p50_s"] * 1000),
-             f"{r['ratio_vs_lowest']:.2f}x"] for r in result["levels"]]
-    return report.markdown_table(["concurrency", "requests", "output tok/s", "per-request decode tok/s",
-                                  "TTFT p50 ms", f"vs c={result['lowest_concurrency']}"], rows)
+    rows = [[r["system"], r["concurrency"], r["requests"], report.fmt(r["output_tok_s"]),
+             report.fmt(r["mean_request_decode_tok_s"]), report.fmt(r["ttft_p50_s"] * 1000), report.fmt(r["tau"], 2),
+             f"{r['ratio_vs_lowest']:.2f}x", f"{r['ratio_vs_plain']:.2f}x" if "ratio_vs_plain" in r else ""]
+            for r in result["levels"]]
+    return report.markdown_table(["system", "concurrency", "requests", "output tok/s", "per-request decode tok/s",
+                                  "TTFT p50 ms", "tau", f"vs c={result['lowest_concurrency']}", "vs plain"], rows)

@@ -10,8 +10,11 @@ import torch
 
 from lanner.config import EngineConfig
 from lanner.engine.request import Request, RequestOutput
-from lanner.engine.runner import ModelRunner
+from lanner.engine.runner import ModelRunner, SeqChunk
 from lanner.engine.sampling import SamplingParams, sample
+from lanner.spec.draft_head import DraftHead, is_draft_head
+from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
+from lanner.spec.verify import verify_chain
 from lanner.engine.scheduler import QueueFullError, Scheduler
 from lanner.kvcache.block_manager import BlockManager
 from lanner.metrics import EngineMetrics
@@ -37,24 +40,68 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.source.name
         t0 = time.perf_counter()
         self.model, self.model_config = load_model(self.source, config.torch_dtype, config.device)
-        self.tokenizer = Tokenizer(self.source, self.model_config.eos_token_ids)
+        # skip_tokenizer: token ids in and out only (like vLLM's skip_tokenizer_init), e.g. for tokenizer-less models
+        self.tokenizer = None if config.skip_tokenizer else Tokenizer(self.source, self.model_config.eos_token_ids)
+        self.eos_token_ids = self.model_config.eos_token_ids if self.tokenizer is None else \
+            self.tokenizer.eos_token_ids
         self.load_s = time.perf_counter() - t0
         ctx = self.model_config.max_context
         self.max_model_len = min(config.max_model_len or ctx, ctx)
         per_token = ModelRunner.bytes_per_token(self.model_config, config.torch_dtype)
+        draft_kind, draft_model = self._load_draft() if config.spec == "draft" else (None, None)
+        if draft_model is not None:  # the draft's pool shares the target's block tables, so it shares the budget
+            geometry = draft_model.model_cfg if draft_kind == "head" else draft_model.cfg
+            per_token += ModelRunner.bytes_per_token(geometry, config.torch_dtype)
         self.num_blocks = config.kv_cache_bytes(per_token) // (per_token * config.block_size)
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} leaves room for {self.num_blocks} blocks")
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_queue_len)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.torch_dtype, config.device)
+        capture = draft_model.cfg.feature_layers if draft_kind == "head" else ()
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.torch_dtype, config.device,
+                                  capture)
+        self.proposer = None
+        args = (self.num_blocks, config.block_size, config.torch_dtype, config.device)
+        if config.spec == "ngram":
+            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        elif draft_kind == "head":
+            self.proposer = DraftHeadProposer(draft_model, self.model, *args)
+        elif draft_kind == "model":
+            self.proposer = DraftModelProposer(draft_model, *args)
         self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         log.info("loaded %s in %.1fs: %d KV blocks x %d tokens (%.2f GiB), max_model_len %d", self.model_name,
                  self.load_s, self.num_blocks, config.block_size, self.num_blocks * config.block_size * per_token
                  / 2**30, self.max_model_len)
+
+    def _load_draft(self):
+        """-> ("head", DraftHead) for an EAGLE-style head folder, else ("model", standalone draft model)."""
+        path, tcfg = self.config.draft, self.model_config
+        if is_draft_head(path):
+            head = DraftHead.load(path, self.config.torch_dtype, self.config.device)
+            hc = head.cfg
+            if hc.target_vocab_size != tcfg.vocab_size or hc.hidden_size != tcfg.hidden_size or \
+                    max(hc.feature_layers) >= tcfg.num_layers:
+                raise ValueError(f"draft: the head at {path} was built for another target (vocab "
+                                 f"{hc.target_vocab_size}, hidden {hc.hidden_size}); this model has vocab "
+                                 f"{tcfg.vocab_size}, hidden {tcfg.hidden_size}")
+            return "head", head
+        draft, cfg = load_model(ModelSource.resolve(path), self.config.torch_dtype, self.config.device)
+        if cfg.vocab_size != tcfg.vocab_size:
+            raise ValueError(f"draft: its vocabulary ({cfg.vocab_size}) differs from the target's "
+                             f"({tcfg.vocab_size}); a draft model must share the tokenizer")
+        return "model", draft
+
+    def _spec_tokens(self, req: Request, batch_size: int) -> int:
+        p = req.params
+        if self.proposer is None or batch_size > self.config.spec_max_batch or not p.speculative:
+            return 0
+        if p.has_penalties or p.logprobs is not None:  # both depend on each emitted token: verify one at a time
+            return 0
+        return min(self.config.spec_tokens, req.max_tokens - len(req.output_ids) - 1,
+                   self.max_model_len - req.num_tokens - 1)
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
@@ -64,6 +111,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         if prompt_ids is None:
             if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise RequestError("this engine runs without a tokenizer: give the prompt as token ids", "prompt")
                 prompt_ids = self.tokenizer.encode(prompt) if prompt else []
             elif isinstance(prompt, (list, tuple)):
                 prompt_ids = list(prompt)
@@ -89,8 +138,11 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
-        req = Request(rid, prompt_ids, params, text, max_tokens, self.tokenizer.eos_token_ids)
-        req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        if self.tokenizer is None and params.stop:
+            raise RequestError("stop strings need a tokenizer; use stop_token_ids", "stop")
+        req = Request(rid, prompt_ids, params, text, max_tokens, self.eos_token_ids)
+        if self.tokenizer is not None:
+            req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         return req
 
     def add_request(self, prompt=None, params=None, request_id=None, prompt_ids=None) -> Request:
@@ -120,7 +172,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         preempted_before = self.scheduler.num_preemptions
-        items = self.scheduler.schedule()
+        items = self.scheduler.schedule(self._spec_tokens if self.proposer is not None else None)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
         outputs = []
         if items:
@@ -129,9 +181,30 @@ class LLMEngine:
                 if it.request.first_scheduled_time is None:
                     it.request.first_scheduled_time = now
             try:
-                logits = self.runner.run(items)
-                sampling = [it.request for it in items if it.samples]
-                result = sample(logits, sampling) if sampling else None
+                spec = [it for it in items if it.num_spec > 0]
+                if spec:
+                    proposals = self.proposer.propose([it.request for it in spec], [it.num_spec for it in spec])
+                    for it, (draft, probs) in zip(spec, proposals):
+                        it.draft, it.draft_probs = draft, probs
+                chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
+                                   it.request.block_table, "all" if it.draft else "last" if it.samples else "none")
+                          for it in items]
+                logits = self.runner.run(chunks)
+                emitted, plain_rows, plain_reqs, row = {}, [], [], 0
+                for it in items:
+                    if it.draft:
+                        k = len(it.draft)
+                        emitted[id(it)] = verify_chain(logits[row : row + k + 1], it.draft, it.draft_probs,
+                                                       it.request.params, it.request.generator)
+                        row += k + 1
+                    elif it.samples:
+                        plain_rows.append(row)
+                        plain_reqs.append(it.request)
+                        row += 1
+                if plain_reqs:
+                    result = sample(logits[plain_rows], plain_reqs)
+                    for r, tok, lp in zip(plain_reqs, result.token_ids, result.logprobs):
+                        emitted[id(r)] = (tok, lp)
             except Exception as e:  # a bug or a device error: fail this batch, keep serving the rest
                 log.exception("engine step failed; failing %d requests", len(items))
                 self.metrics.step_errors.inc()
@@ -140,28 +213,64 @@ class LLMEngine:
                     self._finish(it.request, "error")
                     outputs.append(self._output(it.request))
                 return outputs
-            for it in items:
-                it.request.num_computed += it.num_tokens
-            for i, req in enumerate(sampling):
-                self._accept_token(req, result.token_ids[i], result.logprobs[i])
+            feats, offset = self.runner.features, 0
             for it in items:
                 req = it.request
-                if not req.finished:
-                    self.block_manager.commit_full_blocks(req.block_table, req.block_hashes, req.all_ids,
-                                                          req.num_computed)
+                if feats is not None:  # keep the target features of the verified rows for the draft head
+                    n_valid = it.num_tokens + (len(emitted[id(it)]) - 1 if it.draft else 0)
+                    rows = feats[offset : offset + n_valid]
+                    req.pending_feats = rows if req.pending_feats is None else torch.cat([req.pending_feats, rows])
+                    offset += it.num_tokens + len(it.draft)
+                reason = None
+                if it.draft:
+                    tokens = emitted[id(it)]
+                    before = req.num_tokens
+                    req.num_computed += it.num_tokens + len(tokens) - 1
+                    self._record_spec(req, len(it.draft), len(tokens) - 1)
+                    self.proposer.after_verify(req, len(it.draft), len(tokens) - 1, before)
+                    for tok in tokens:
+                        reason = self._accept_token(req, tok, None)
+                        if reason:
+                            break
+                else:
+                    req.num_computed += it.num_tokens
+                    if it.samples:
+                        reason = self._accept_token(req, *emitted[id(req)])
+                # name the verified full blocks before a finish frees them, so they stay reusable
+                self.block_manager.commit_full_blocks(req.block_table, req.block_hashes, req.all_ids,
+                                                      min(req.num_computed, req.num_tokens))
+                if reason:
+                    self._finish(req, reason)
+                elif it.num_spec:
+                    self.scheduler.trim(req)  # roll back blocks taken for draft positions that were rejected
                 if it.samples:
                     outputs.append(self._output(req))
         self._update_gauges()
         return outputs
 
-    def _accept_token(self, req: Request, token: int, logprob: dict | None):
+    def _record_spec(self, req: Request, proposed: int, accepted: int):
+        req.spec_steps += 1
+        req.spec_emitted += accepted + 1
+        if len(req.spec_accepted_at) < proposed:
+            req.spec_accepted_at.extend([0] * (proposed - len(req.spec_accepted_at)))
+        for i in range(accepted):
+            req.spec_accepted_at[i] += 1
+        m = self.metrics
+        m.spec_verify_steps.inc()
+        m.spec_draft_tokens.inc(proposed)
+        m.spec_emitted_tokens.inc(accepted + 1)
+        for i in range(accepted):
+            m.spec_accepted_at.labels(str(i + 1)).inc()
+
+    def _accept_token(self, req: Request, token: int, logprob: dict | None) -> str | None:
+        """Appends one token; returns the finish reason it causes, if any (the caller finishes the request)."""
         req.append_token(token)
         if req.logprobs is not None:
             req.logprobs.append({"token_id": token, **logprob})
         self.metrics.generation_tokens.inc()
         if len(req.output_ids) == 1 and req.first_token_time is not None:
             self.metrics.ttft.observe(req.first_token_time - req.arrival_time)
-        delta = req.detok.add([token])
+        delta = req.detok.add([token]) if req.detok is not None else ""
         req.text += delta
         reason = None
         if token in req.stop_ids:
@@ -170,8 +279,7 @@ class LLMEngine:
             reason = self._check_stop_strings(req, len(delta))
         if reason is None and (len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len):
             reason = "length"
-        if reason is not None:
-            self._finish(req, reason)
+        return reason
 
     @staticmethod
     def _check_stop_strings(req: Request, delta_len: int) -> str | None:

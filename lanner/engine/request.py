@@ -50,6 +50,11 @@ class Request:
         self.num_computed = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions = 0
+        self.draft_computed = 0  # positions whose KV the draft holds
+        self.pending_feats = None  # draft head: target features of positions draft_computed.. not yet consumed
+        self.spec_steps = 0  # verify steps
+        self.spec_emitted = 0  # tokens emitted by verify steps (accepted drafts + 1 each)
+        self.spec_accepted_at: list[int] = []  # [i]: verify steps whose draft token i+1 was accepted
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -95,4 +100,7 @@ class Request:
             "tpot_s": decode / (n - 1) if n > 1 else None,
             "decode_tok_s": (n - 1) / decode if n > 1 and decode > 0 else None,
             "preemptions": self.num_preemptions,
+            "spec_accept_length": self.spec_emitted / self.spec_steps if self.spec_steps else None,
+            "spec_verify_steps": self.spec_steps,
+            "spec_accepted_per_position": list(self.spec_accepted_at),
         }

@@ -1,14 +1,28 @@
 """One forward per step: gathers the scheduled tokens, builds attention metadata, returns logits."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lanner.layers.attention import build_attention_metadata
 
 
+@dataclass
+class SeqChunk:
+    """One sequence's part of a forward: `tokens` at positions start.. over `block_table`."""
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+    logits: str = "last"  # "last" | "all" | "none": which rows' logits the caller wants
+
+
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, dtype, device):
+    def __init__(self, model, num_blocks: int, block_size: int, dtype, device, capture_layers=()):
         cfg = model.cfg
+        # layers whose outputs the last run() keeps in self.features ([T, len * hidden]), for draft heads
+        self.capture_layers = tuple(capture_layers)
+        self.features: torch.Tensor | None = None
         self.model, self.block_size, self.device = model, block_size, device
         # one tensor for the whole pool: [layers, k|v, slots, kv_heads, head_dim]; zero-filled because padded
         # attention rows read slots that were never written (masked, but 0 * NaN would still poison them)
@@ -21,23 +35,26 @@ class ModelRunner:
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
     @torch.inference_mode()
-    def run(self, items) -> torch.Tensor:
-        """items: ScheduledItem list. Returns logits [number of items that sample, vocab] (float32)."""
-        ids, pos, q_lens, ctx_lens, tables, rows = [], [], [], [], [], []
+    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Returns float32 logits for the requested rows, in chunk order ([rows, vocab])."""
+        ids, pos, q_lens, ctx_lens, rows = [], [], [], [], []
         t = 0
-        for it in items:
-            req, s, n = it.request, it.start, it.num_tokens
-            ids.extend(req.all_ids[s : s + n])
-            pos.extend(range(s, s + n))
+        for c in chunks:
+            n = len(c.tokens)
+            ids.extend(c.tokens)
+            pos.extend(range(c.start, c.start + n))
             q_lens.append(n)
-            ctx_lens.append(s + n)
-            tables.append(req.block_table)
+            ctx_lens.append(c.start + n)
             t += n
-            if it.samples:
+            if c.logits == "last":
                 rows.append(t - 1)
+            elif c.logits == "all":
+                rows.extend(range(t - n, t))
         dev = self.device
-        meta = build_attention_metadata(q_lens, ctx_lens, tables, self.block_size, dev)
-        hidden, _ = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv_caches, meta)
+        meta = build_attention_metadata(q_lens, ctx_lens, [c.block_table for c in chunks], self.block_size, dev)
+        hidden, captured = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv_caches,
+                                      meta, self.capture_layers)
+        self.features = torch.cat(captured, dim=-1) if captured else None
         if not rows:
             return hidden.new_empty(0, 0)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()

@@ -28,6 +28,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; N >= 0: the chosen token's logprob plus the top N alternatives
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    speculative: bool = True  # per-request opt-out of speculative decoding
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -9,7 +9,8 @@ queue at the front, to be recomputed (its verified blocks usually come back from
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from lanner.engine.request import Request, Status
 from lanner.kvcache.block_manager import BlockManager
@@ -24,7 +25,10 @@ class ScheduledItem:
     request: Request
     start: int  # first position computed this step
     num_tokens: int
+    num_spec: int = 0  # draft tokens this decode step may verify on top of its one token
     samples: bool = False  # this step reaches the end of the request's tokens, so a new token is sampled
+    draft: list[int] = field(default_factory=list)  # filled by the proposer
+    draft_probs: object = None  # [len(draft), V] tensor, or None (one-hot drafts)
 
     def __post_init__(self):
         self.samples = self.start + self.num_tokens == self.request.num_tokens
@@ -61,14 +65,18 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def schedule(self) -> list[ScheduledItem]:
+    def schedule(self, spec_tokens: Callable[[Request, int], int] | None = None) -> list[ScheduledItem]:
+        """spec_tokens(request, batch size) -> how many draft tokens a decoding request may verify this step."""
         budget = self.budget
         items: list[ScheduledItem] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
-            need = self._blocks_needed(req, req.num_computed + n)
+            k = 0
+            if spec_tokens is not None and req.num_tokens - req.num_computed == 1:
+                k = max(0, min(spec_tokens(req, len(self.running)), budget - 1))
+            need = self._blocks_needed(req, req.num_computed + n + k)
             while need > self.blocks.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -77,8 +85,8 @@ class Scheduler:
             if req.status != Status.RUNNING:
                 break
             req.block_table.extend(self.blocks.allocate(need))
-            items.append(ScheduledItem(req, req.num_computed, n))
-            budget -= n
+            items.append(ScheduledItem(req, req.num_computed, n, num_spec=k))
+            budget -= n + k
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -93,6 +101,8 @@ class Scheduler:
             req.block_table = cached + self.blocks.allocate(need)
             req.block_hashes = hashes
             req.num_computed = num_cached
+            # cached blocks carry the draft's KV too (same block tables), written for the same tokens
+            req.draft_computed, req.pending_feats = num_cached, None
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
             self.blocks.query_tokens += req.num_tokens
@@ -102,6 +112,13 @@ class Scheduler:
             items.append(ScheduledItem(req, num_cached, n))
             budget -= n
         return items
+
+    def trim(self, req: Request):
+        """Roll back: free blocks past the verified tokens (rejected draft positions)."""
+        keep = -(-req.num_computed // self.blocks.block_size)
+        if len(req.block_table) > keep:
+            self.blocks.free(req.block_table[keep:])
+            del req.block_table[keep:]
 
     def finish(self, req: Request, reason: str):
         if req.status == Status.RUNNING:

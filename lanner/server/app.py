@@ -136,8 +136,11 @@ def _lp(x: float) -> float:
 
 def _usage(out: RequestOutput) -> Usage:
     p, c = len(out.prompt_token_ids), len(out.token_ids)
+    m = out.metrics
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.metrics.get("cached_prompt_tokens", 0)))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=m.get("cached_prompt_tokens", 0)),
+                 spec_accept_length=m.get("spec_accept_length"),
+                 spec_accepted_per_position=m.get("spec_accepted_per_position") if m.get("spec_verify_steps") else None)
 
 
 def _sse(obj) -> str:

@@ -86,6 +86,9 @@ class Usage(BaseModel):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # speculative decoding (Lanner extension): mean tokens per verify step, bonus included; None when off
+    spec_accept_length: float | None = None
+    spec_accepted_per_position: list[int] | None = None
 
 
 class TopLogprob(BaseModel):

@@ -1,0 +1,144 @@
+"""EAGLE-3-style draft head.
+
+Input at draft position p: the target's hidden states at p from three layers (low, middle, high), fused by a
+linear layer, next to the embedding of token p+1; one decoder layer (its own norms, attention over its own KV
+cache, MLP); a final norm and an output head over a reduced draft vocabulary (the N most frequent target
+tokens; `d2t` maps draft ids to target ids). The row at p predicts token p+2. Chaining feeds the head's own
+output hidden state back in place of the target features, exactly as training-time test does.
+
+Checkpoint: a folder with config.json (`"architectures": ["LannerDraftHead"]`) and model.safetensors. The
+token embedding is the target's (frozen, not stored).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from lanner.layers.attention import AttentionMetadata, paged_attention
+from lanner.layers.rotary import RotaryEmbedding, apply_rotary
+from lanner.models.config import ModelConfig
+from lanner.models.llama import MLP, RMSNorm
+
+ARCH = "LannerDraftHead"
+
+
+@dataclass
+class DraftHeadConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    feature_layers: list[int]
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int | None = None) -> "DraftHeadConfig":
+        L = target.num_layers
+        return cls(hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+                   head_dim=target.head_dim, intermediate_size=target.intermediate_size,
+                   target_vocab_size=target.vocab_size,
+                   draft_vocab_size=min(draft_vocab_size or 8192, target.vocab_size),
+                   feature_layers=[min(2, L - 1), L // 2, max(L - 3, 0)], rms_norm_eps=target.rms_norm_eps,
+                   rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings)
+
+    def as_model_config(self) -> ModelConfig:
+        """The geometry the paged KV pool needs (one layer)."""
+        return ModelConfig(architecture=ARCH, vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+
+
+class DraftHead(nn.Module):
+    def __init__(self, cfg: DraftHeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, H, Hkv, D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.H, self.Hkv, self.D = H, Hkv, D
+        self.fc = nn.Linear(3 * h, h, bias=False)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)  # on the fused target features
+        self.qkv_proj = nn.Linear(2 * h, (H + 2 * Hkv) * D, bias=False)
+        self.o_proj = nn.Linear(H * D, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.as_model_config())
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)
+        self.scale = D ** -0.5
+        self.init_rotary("cpu")
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        return self.cfg.as_model_config()
+
+    def init_rotary(self, device):
+        c = self.cfg
+        self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta).to(device)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """[T, 3h] target features -> [T, h] (the head's input hidden)."""
+        return self.fc(features)
+
+    def forward(self, hidden, token_emb, positions, k_cache, v_cache, meta: AttentionMetadata):
+        """hidden: [T, h] fused target features or the head's own previous output; token_emb: [T, h].
+        Returns (logits over the draft vocabulary [T, N], output hidden [T, h])."""
+        T = hidden.shape[0]
+        x = torch.cat([self.input_layernorm(token_emb), self.hidden_norm(hidden)], dim=-1)
+        qkv = self.qkv_proj(x).view(T, self.H + 2 * self.Hkv, self.D)
+        cos, sin = self.rotary.lookup(positions, hidden.dtype)
+        qk = apply_rotary(qkv[:, : self.H + self.Hkv], cos, sin)
+        attn = paged_attention(qk[:, : self.H], qk[:, self.H :], qkv[:, self.H + self.Hkv :], k_cache, v_cache,
+                               meta, self.scale)
+        out = hidden + self.o_proj(attn)
+        out = out + self.mlp(self.post_attention_layernorm(out))
+        return self.lm_head(self.norm(out)), out
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.d2t[draft_ids]
+
+    # ------------------------------------------------------------------ checkpoint
+    def save(self, folder: str):
+        from safetensors.torch import save_file
+
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"architectures": [ARCH], **asdict(self.cfg)}, f, indent=2)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, os.path.join(folder, "model.safetensors"))
+
+    @classmethod
+    def load(cls, folder: str, dtype=torch.float32, device="cpu") -> "DraftHead":
+        from safetensors.torch import load_file
+
+        cfg = json.load(open(os.path.join(folder, "config.json")))
+        cfg.pop("architectures", None)
+        head = cls(DraftHeadConfig(**cfg))
+        head.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+        head = head.to(device=device, dtype=dtype)
+        head.d2t = head.d2t.long()
+        head.init_rotary(device)
+        return head.eval().requires_grad_(False)
+
+
+def is_draft_head(path: str) -> bool:
+    cfg = os.path.join(path, "config.json")
+    return os.path.isdir(path) and os.path.isfile(cfg) and json.load(open(cfg)).get("architectures") == [ARCH]
+
+
+def random_draft_head(target_cfg: ModelConfig, draft_vocab_size: int = 8192, seed: int = 0) -> DraftHead:
+    torch.manual_seed(seed)
+    head = DraftHead(DraftHeadConfig.for_target(target_cfg, draft_vocab_size))
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+    return head

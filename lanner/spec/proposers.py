@@ -1,0 +1,158 @@
+"""Draft proposers: `propose(requests, ks) -> [(draft tokens, draft probabilities [k, V] or None)]`.
+
+`ks[i]` is the most tokens request i may receive (it can get fewer: an n-gram miss proposes nothing).
+Proposers with probabilities draw their drafts from q = the draft model's distribution after the request's
+temperature / top-k / top-p, which is what lossless rejection sampling needs.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from lanner.engine.runner import ModelRunner, SeqChunk
+from lanner.layers.attention import build_attention_metadata
+from lanner.engine.sampling import processed_probs, sample_from_probs
+
+
+class Proposer:
+    name = "base"
+
+    def propose(self, requests, ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        raise NotImplementedError
+
+    def after_verify(self, req, num_proposed: int, num_accepted: int, tokens_before: int):
+        """Called once the target verified; lets stateful proposers roll their KV back."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: the longest suffix (max_n..min_n tokens) that occurred earlier in the request's own
+    context; propose what followed its most recent occurrence."""
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, requests, ks):
+        return [(self.lookup(r.all_ids, k), None) for r, k in zip(requests, ks)]
+
+    def lookup(self, ids: list[int], k: int) -> list[int]:
+        if k <= 0 or len(ids) < self.min_n + 1:
+            return []
+        arr = np.asarray(ids, dtype=np.int64)
+        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
+            windows = sliding_window_view(arr[:-1], n)  # candidate earlier occurrences (not the suffix itself)
+            hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return arr[start : start + k].tolist()
+        return []
+
+
+class DraftModelProposer(Proposer):
+    """A smaller model with the same tokenizer. Its KV pool has the target's geometry (block count and size),
+    so it lives in the target's block tables: allocation, prefix sharing and rollback come for free."""
+    name = "draft"
+
+    def __init__(self, model, num_blocks: int, block_size: int, dtype, device):
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+
+    def propose(self, requests, ks):
+        # draft-extend: bring the draft's KV up to the last verified token; its last row predicts d_1
+        chunks = [SeqChunk(r.all_ids[r.draft_computed :], r.draft_computed, r.block_table) for r in requests]
+        logits = self.runner.run(chunks)
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = [i for i in range(len(requests)) if ks[i] > 0]
+        rows, j = logits[active], 0
+        while active:
+            for row, i in zip(rows, active):
+                params = requests[i].params
+                if params.greedy:
+                    drafts[i].append(int(row.argmax()))
+                else:
+                    p = processed_probs(row[None], [params])
+                    drafts[i].append(int(sample_from_probs(p, [requests[i].generator])[0]))
+                    probs[i].append(p[0])
+            j += 1
+            active = [i for i in active if ks[i] > j]
+            if active:  # feed d_j back in at position num_tokens + j - 1
+                rows = self.runner.run([SeqChunk([drafts[i][-1]], requests[i].num_tokens + j - 1,
+                                                 requests[i].block_table) for i in active])
+        return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def after_verify(self, req, num_proposed, num_accepted, tokens_before):
+        # KV is valid up to the last draft the chain fed back in that the target also accepted
+        req.draft_computed = tokens_before + max(0, min(num_accepted, num_proposed - 1))
+
+
+class DraftHeadProposer(Proposer):
+    """EAGLE-3-style head over the target's features. Per request it keeps `pending_feats`: target features
+    of positions draft_computed.. that the head has not consumed yet (the engine appends the rows each target
+    forward verified). Draft-extend consumes them; the chain then feeds the head's own hidden state back."""
+    name = "draft-head"
+
+    def __init__(self, head, target, num_blocks: int, block_size: int, dtype, device):
+        self.head, self.target, self.block_size, self.device = head, target, block_size, device
+        cfg = head.model_cfg
+        self.kv = torch.zeros(2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        self.vocab = target.cfg.vocab_size
+
+    @torch.inference_mode()
+    def _forward(self, hidden, tokens, positions, q_lens, ctx_lens, tables):
+        meta = build_attention_metadata(q_lens, ctx_lens, tables, self.block_size, self.device)
+        emb = self.target.embed_tokens(torch.tensor(tokens, device=self.device))
+        return self.head(hidden, emb, torch.tensor(positions, device=self.device), self.kv[0], self.kv[1], meta)
+
+    @torch.inference_mode()
+    def propose(self, requests, ks):
+        feats, tokens, positions, q_lens, ctx_lens, last_rows = [], [], [], [], [], []
+        t = 0
+        for r in requests:
+            n_tok = r.num_tokens
+            dc = r.draft_computed
+            n = n_tok - 1 - dc  # positions dc..n_tok-2 take (f_p, token p+1)
+            assert r.pending_feats is not None and r.pending_feats.shape[0] == n, "draft features out of sync"
+            feats.append(r.pending_feats)
+            tokens.extend(r.all_ids[dc + 1 : n_tok])
+            positions.extend(range(dc, n_tok - 1))
+            q_lens.append(n)
+            ctx_lens.append(n_tok - 1)
+            t += n
+            last_rows.append(t - 1)
+            r.pending_feats = None
+        hidden = self.head.fuse(torch.cat(feats).to(self.head.fc.weight.dtype))
+        logits, out = self._forward(hidden, tokens, positions, q_lens, ctx_lens, [r.block_table for r in requests])
+        rows = torch.tensor(last_rows, device=self.device)
+        logits, g = logits[rows].float(), out[rows]
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        active = [i for i in range(len(requests)) if ks[i] > 0]
+        sel = torch.tensor(active, dtype=torch.long, device=self.device)
+        logits, g, j = logits[sel], g[sel], 0
+        while active:
+            for row, i in zip(logits, active):
+                params = requests[i].params
+                if params.greedy:
+                    drafts[i].append(int(self.head.d2t[row.argmax()]))
+                else:
+                    p = torch.zeros(self.vocab, device=self.device)
+                    p[self.head.d2t] = processed_probs(row[None], [params])[0]
+                    drafts[i].append(int(sample_from_probs(p[None], [requests[i].generator])[0]))
+                    probs[i].append(p)
+            j += 1
+            keep = [n for n, i in enumerate(active) if ks[i] > j]
+            if not keep:
+                break
+            active = [active[n] for n in keep]
+            g = g[torch.tensor(keep, device=self.device)]
+            reqs = [requests[i] for i in active]
+            pos = [r.num_tokens - 2 + j for r in reqs]  # d_j enters at position num_tokens - 2 + j
+            logits, g = self._forward(g, [drafts[i][-1] for i in active], pos, [1] * len(active),
+                                      [p + 1 for p in pos], [r.block_table for r in reqs])
+            logits = logits.float()
+        return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def after_verify(self, req, num_proposed, num_accepted, tokens_before):
+        # chain positions used the head's own hidden states, not the target's: re-extend them with true features
+        req.draft_computed = tokens_before - 1

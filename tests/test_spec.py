@@ -1,0 +1,166 @@
+"""Speculative decoding is lossless: greedy outputs are token-identical to plain decoding, sampled outputs have
+the same distribution, and KV bookkeeping ends where plain decoding ends."""
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lanner import LLM, SamplingParams
+from lanner.engine.sampling import processed_probs
+from lanner.models.loader import default_model_path
+from lanner.spec.draft_head import random_draft_head
+from lanner.spec.proposers import NgramProposer
+
+PROMPTS = [
+    "Write a python function that checks whether a number is prime.",
+    "Repeat exactly: red, green, blue, red, green, blue, red, green, blue",
+    "Hi",
+    "Explain photosynthesis to a ten year old.",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n# Now a loop version:\n",
+    "List the planets of the solar system in order.",
+    "Translate to French: The cat sits on the mat. The cat sits on the mat.",
+    "What is 17 times 23?",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(llm32):
+    return [o.token_ids for o in llm32.generate(PROMPTS, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def head_dir(llm32, tmp_path_factory):
+    path = tmp_path_factory.mktemp("head") / "random-head"
+    random_draft_head(llm32.engine.model_config, draft_vocab_size=2048, seed=1).save(str(path))
+    return str(path)
+
+
+def check_greedy_lossless(llm, plain_outputs):
+    for k in range(1, 7):
+        llm.engine.config.spec_tokens = k  # read every step, so one engine serves every k
+        alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+        assert [o.token_ids for o in alone] == plain_outputs, f"k={k} batch 1"
+        assert all(o.metrics["spec_verify_steps"] > 0 for o in alone)
+        for lo in (0, 4):
+            mixed = llm.generate(PROMPTS[lo : lo + 4], GREEDY)
+            assert [o.token_ids for o in mixed] == plain_outputs[lo : lo + 4], f"k={k} batch of 4"
+        assert llm.engine.block_manager.num_used == 0
+    return alone
+
+
+def test_ngram_greedy_is_lossless(plain_outputs):
+    llm = LLM(dtype="float32", spec="ngram")
+    alone = check_greedy_lossless(llm, plain_outputs)
+    taus = [o.metrics["spec_accept_length"] for o in alone]
+    assert max(taus) > 2.0 and min(taus) < max(taus)  # the repetitive prompt accepts far more: mixed lengths
+
+
+def test_random_draft_head_greedy_is_lossless(plain_outputs, head_dir):
+    llm = LLM(dtype="float32", spec="draft", draft=head_dir)
+    check_greedy_lossless(llm, plain_outputs)
+
+
+def test_self_draft_model_accepts_everything_and_is_lossless(plain_outputs):
+    llm = LLM(dtype="float32", spec="draft", draft=default_model_path(), spec_tokens=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain_outputs
+    # a draft identical to the target is accepted nearly always: every chain position is exercised
+    assert all(o.metrics["spec_accept_length"] > 3.5 for o in outs)
+    assert all(o.metrics["spec_accepted_per_position"][3] > 0 for o in outs)
+
+
+def test_opt_out_and_batch_limit_turn_drafting_off():
+    llm = LLM(dtype="float32", spec="ngram", spec_max_batch=2)
+    off = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, speculative=False))[0]
+    assert off.metrics["spec_verify_steps"] == 0
+    big = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    # 4 running > spec_max_batch: the first steps decode plainly, drafting resumes as requests finish
+    assert all(o.metrics["spec_verify_steps"] < 11 for o in big)
+
+
+def test_ngram_lookup_prefers_longest_and_latest_match():
+    ng = NgramProposer(min_n=1, max_n=3)
+    assert ng.lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 2, 3], 3) == [7, 5, 2]  # "2 3" last seen before "7 5 2"
+    assert ng.lookup([5, 6, 7], 2) == []
+    assert ng.lookup([4, 4], 3) == [4]
+
+
+# ---------------------------------------------------------------- sampling on a tiny random model
+
+V = 16
+PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+
+
+def tiny_model(path, seed):
+    torch.manual_seed(seed)
+    cfg = AutoConfig.for_model("llama", vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg.architectures = ["LlamaForCausalLM"]
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # sharpen the random logits: peaked, yet ~1000 cells of the 3-token joint are likely
+        model.lm_head.weight.mul_(6)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target = tiny_model(root / "target", 0)
+    tiny_model(root / "draft", 1)
+    return root, target
+
+
+def exact_joint(model, params):
+    """P(t1, t2, t3 | PROMPT) after the sampling transforms, by enumerating all 16^3 continuations."""
+    seqs = torch.tensor([PROMPT + list(c) for c in itertools.product(range(V), repeat=2)])
+    with torch.no_grad():
+        logits = model(seqs).logits.float()
+    p = [processed_probs(logits[:, len(PROMPT) - 1 + i], [params] * len(seqs)) for i in range(3)]
+    p1 = p[0][0]  # same prompt for every row
+    p2 = p[1].view(V, V, V)[:, 0]  # row (t1, t2) -> P(t2 | t1); independent of t2 of the row
+    p3 = p[2].view(V, V, V)  # P(t3 | t1, t2)
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    return joint.reshape(-1).double()
+
+
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+@pytest.mark.parametrize("temp,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampled_distribution_is_unchanged(tiny, spec, temp, top_p):
+    root, target = tiny
+    params = SamplingParams(temperature=temp, top_p=top_p, max_tokens=3, ignore_eos=True)
+    llm = LLM(model=str(root / "target"), dtype="float32", skip_tokenizer=True, spec=spec, spec_tokens=3,
+              draft=str(root / "draft") if spec == "draft" else None, max_num_seqs=256, spec_max_batch=256,
+              max_num_batched_tokens=4096, kv_cache_memory="0.05GiB", seed=123)
+    n = 20000
+    outs = llm.generate([PROMPT] * n, params)
+    assert all(len(o.token_ids) == 3 for o in outs)
+    assert sum(o.metrics["spec_verify_steps"] for o in outs) > n // 4  # drafts really were verified
+    counts = np.bincount([o.token_ids[0] * V * V + o.token_ids[1] * V + o.token_ids[2] for o in outs],
+                         minlength=V**3).astype(float)
+    expected = exact_joint(target, params).numpy() * n
+    small = expected < 5  # chi-square needs >= 5 expected per cell: pool the rare cells into one
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    assert exp[-1] >= 5 or obs[-1] == 0
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 0.001
+
+
+def test_prefix_cache_holds_only_verified_tokens_and_nothing_leaks(tiny):
+    root, _ = tiny
+    kw = dict(model=str(root / "target"), dtype="float32", skip_tokenizer=True, kv_cache_memory="0.05GiB",
+              block_size=4, max_num_seqs=32)
+    plain, spec = LLM(**kw), LLM(spec="ngram", spec_tokens=5, **kw)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, V, size=int(rng.integers(3, 20))).tolist() for _ in range(200)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a, b = plain.generate(prompts, params), spec.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for llm in (plain, spec):
+        assert llm.engine.block_manager.num_used == 0
+    # the same verified token blocks, and only those, are named in both prefix caches
+    assert set(plain.engine.block_manager.hash_to_block) == set(spec.engine.block_manager.hash_to_block)
