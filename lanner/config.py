@@ -28,7 +28,9 @@ class EngineConfig:
     spec: str | None = None  # None: plain decoding; "ngram" (prompt lookup) or "draft" (needs `draft`)
     draft: str | None = None  # draft model: HF folder / GGUF of a smaller model with the same tokenizer
     spec_tokens: int = 5  # k: draft tokens verified per step
-    spec_max_batch: int = 8  # speculate only while at most this many requests run
+    # speculate only while at most this many requests run: on the 2-core CPU, n-gram drafting (tau ~1.7 on chat)
+    # gained 1.08x at 1 request, broke even at 2-4 and lost at 8 (0.86x) and 16 (0.70x): results/bench_spec_batch
+    spec_max_batch: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
 
