@@ -1,16 +1,14 @@
 """The OpenAI-compatible server, end to end: the real bundled model, a real uvicorn server on a free port,
 the official openai client and raw httpx."""
 import asyncio
-import contextlib
 import json
 import re
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
+from conftest import serve
 
 from lanner.config import EngineConfig
 from lanner.engine.async_engine import AsyncEngine, EngineDeadError
@@ -21,22 +19,6 @@ from lanner.server.app import build_app
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@contextlib.contextmanager
-def serve(app):
-    """Runs `app` with uvicorn on 127.0.0.1 and a free port in a background thread; yields the base URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,12 @@
 """Soak: 100 chat requests, 16 at a time, through the official async client against the real server and model.
 Greedy answers must equal the same request served alone (float32 makes greedy independent of batching)."""
 import asyncio
-import contextlib
 import random
-import threading
 import time
 
 import httpx
 import openai
-import uvicorn
+from conftest import serve
 
 from lanner.config import EngineConfig
 from lanner.engine.async_engine import AsyncEngine
@@ -23,20 +21,6 @@ TOPICS = ["the moon", "volcanoes", "honey bees", "the Roman empire", "prime numb
 ASK = ["Tell me one fact about {}.", "Why is {} interesting?", "Explain {} to a child.", "What is {}?"]
 
 
-@contextlib.contextmanager
-def serve(app):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def make_requests() -> list[dict]:

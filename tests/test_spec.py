@@ -1,6 +1,7 @@
 """Speculative decoding is lossless: greedy outputs are token-identical to plain decoding, sampled outputs have
 the same distribution, and KV bookkeeping ends where plain decoding ends."""
 import itertools
+import re
 
 import numpy as np
 import pytest
@@ -164,3 +165,31 @@ def test_prefix_cache_holds_only_verified_tokens_and_nothing_leaks(tiny):
         assert llm.engine.block_manager.num_used == 0
     # the same verified token blocks, and only those, are named in both prefix caches
     assert set(plain.engine.block_manager.hash_to_block) == set(spec.engine.block_manager.hash_to_block)
+
+
+def test_server_reports_acceptance_in_usage_and_metrics():
+    import httpx
+    import openai
+
+    from conftest import serve
+    from lanner.config import EngineConfig
+    from lanner.engine.async_engine import AsyncEngine
+    from lanner.engine.llm_engine import LLMEngine
+    from lanner.server.app import build_app
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", spec="ngram", spec_tokens=4)))
+    try:
+        with serve(build_app(engine)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+            r = client.chat.completions.create(model=engine.model_name, max_tokens=24, temperature=0,
+                                               messages=[{"role": "user", "content": PROMPTS[1]}])
+            usage = r.usage.model_dump()
+            assert usage["spec_accept_length"] > 1.0
+            assert len(usage["spec_accepted_per_position"]) == 4
+            text = httpx.get(f"{url}/metrics").text
+            steps = float(re.search(r"^lanner_spec_verify_steps_total (\S+)", text, re.M).group(1))
+            emitted = float(re.search(r"^lanner_spec_emitted_tokens_total (\S+)", text, re.M).group(1))
+            assert steps > 0 and abs(emitted / steps - usage["spec_accept_length"]) < 1e-6
+            assert 'lanner_spec_accepted_tokens_total{position="1"}' in text
+    finally:
+        engine.shutdown()

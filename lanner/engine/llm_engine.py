@@ -12,13 +12,13 @@ from lanner.config import EngineConfig
 from lanner.engine.request import Request, RequestOutput
 from lanner.engine.runner import ModelRunner, SeqChunk
 from lanner.engine.sampling import SamplingParams, sample
-from lanner.spec.draft_head import DraftHead, is_draft_head
-from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
-from lanner.spec.verify import verify_chain
 from lanner.engine.scheduler import QueueFullError, Scheduler
 from lanner.kvcache.block_manager import BlockManager
 from lanner.metrics import EngineMetrics
 from lanner.models.loader import ModelSource, load_model
+from lanner.spec.draft_head import DraftHead, is_draft_head
+from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
+from lanner.spec.verify import verify_chain
 from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lanner")

@@ -54,7 +54,7 @@ def build_attention_metadata(q_lens, ctx_lens, block_tables, block_size, device)
     """q_lens/ctx_lens: per-sequence ints; block_tables: per-sequence lists of block ids."""
     B = len(q_lens)
     Qmax, Lmax = max(q_lens), max(ctx_lens)
-    slots, q_pos_rows = [], []
+    slots = []
     for ql, cl, bt in zip(q_lens, ctx_lens, block_tables):
         for p in range(cl - ql, cl):
             slots.append(bt[p // block_size] * block_size + p % block_size)

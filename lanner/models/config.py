@@ -49,7 +49,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_hf(cls, cfg: dict) -> "ModelConfig":
+    def from_hf(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         arch = archs[0]
         check_architecture(arch)

@@ -34,7 +34,7 @@ class ModelSource:
     name: str  # served model name
 
     @classmethod
-    def resolve(cls, model: str | None) -> "ModelSource":
+    def resolve(cls, model: str | None) -> ModelSource:
         if model in (None, "", "default", DEFAULT_MODEL_NAME):
             return cls(default_model_path(), "gguf", DEFAULT_MODEL_NAME)
         if os.path.isfile(model) and model.endswith(".gguf"):
@@ -84,7 +84,7 @@ def _gguf_field(reader, key, default=None):
 def gguf_config(reader) -> tuple[ModelConfig, torch.Tensor | None]:
     arch = _gguf_field(reader, "general.architecture")
     check_architecture(arch)
-    g = lambda k, d=None: _gguf_field(reader, f"{arch}.{k}", d)  # noqa: E731
+    g = lambda k, d=None: _gguf_field(reader, f"{arch}.{k}", d)
     heads = g("attention.head_count")
     hidden = g("embedding_length")
     names = {t.name for t in reader.tensors}
@@ -169,5 +169,12 @@ def load_tokenizer(source: ModelSource):
     return AutoTokenizer.from_pretrained(source.path)
 
 
-__all__ = ["ModelSource", "load_model", "load_tokenizer", "load_config", "UnsupportedModelError",
-           "default_model_path", "DEFAULT_MODEL_NAME"]
+__all__ = [
+    "DEFAULT_MODEL_NAME",
+    "ModelSource",
+    "UnsupportedModelError",
+    "default_model_path",
+    "load_config",
+    "load_model",
+    "load_tokenizer",
+]

@@ -41,7 +41,7 @@ class DraftHeadConfig:
     max_position_embeddings: int = 8192
 
     @classmethod
-    def for_target(cls, target: ModelConfig, draft_vocab_size: int | None = None) -> "DraftHeadConfig":
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int | None = None) -> DraftHeadConfig:
         L = target.num_layers
         return cls(hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
                    head_dim=target.head_dim, intermediate_size=target.intermediate_size,
@@ -116,7 +116,7 @@ class DraftHead(nn.Module):
         save_file(state, os.path.join(folder, "model.safetensors"))
 
     @classmethod
-    def load(cls, folder: str, dtype=torch.float32, device="cpu") -> "DraftHead":
+    def load(cls, folder: str, dtype=torch.float32, device="cpu") -> DraftHead:
         from safetensors.torch import load_file
 
         cfg = json.load(open(os.path.join(folder, "config.json")))

@@ -11,8 +11,8 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from lanner.engine.runner import ModelRunner, SeqChunk
-from lanner.layers.attention import build_attention_metadata
 from lanner.engine.sampling import processed_probs, sample_from_probs
+from lanner.layers.attention import build_attention_metadata
 
 
 class Proposer:
