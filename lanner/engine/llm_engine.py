@@ -226,12 +226,15 @@ class LLMEngine:
                     tokens = emitted[id(it)]
                     before = req.num_tokens
                     req.num_computed += it.num_tokens + len(tokens) - 1
-                    self._record_spec(req, len(it.draft), len(tokens) - 1)
                     self.proposer.after_verify(req, len(it.draft), len(tokens) - 1, before)
+                    n_out = 0
                     for tok in tokens:
+                        n_out += 1
                         reason = self._accept_token(req, tok, None)
                         if reason:
                             break
+                    # count what was emitted: a stop inside the accepted chain drops the tokens after it
+                    self._record_spec(req, len(it.draft), min(len(tokens) - 1, n_out), n_out)
                 else:
                     req.num_computed += it.num_tokens
                     if it.samples:
@@ -248,9 +251,9 @@ class LLMEngine:
         self._update_gauges()
         return outputs
 
-    def _record_spec(self, req: Request, proposed: int, accepted: int):
+    def _record_spec(self, req: Request, proposed: int, accepted: int, emitted: int):
         req.spec_steps += 1
-        req.spec_emitted += accepted + 1
+        req.spec_emitted += emitted
         if len(req.spec_accepted_at) < proposed:
             req.spec_accepted_at.extend([0] * (proposed - len(req.spec_accepted_at)))
         for i in range(accepted):
@@ -258,7 +261,7 @@ class LLMEngine:
         m = self.metrics
         m.spec_verify_steps.inc()
         m.spec_draft_tokens.inc(proposed)
-        m.spec_emitted_tokens.inc(accepted + 1)
+        m.spec_emitted_tokens.inc(emitted)
         for i in range(accepted):
             m.spec_accepted_at.labels(str(i + 1)).inc()
 

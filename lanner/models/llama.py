@@ -98,13 +98,13 @@ class LlamaModel(nn.Module):
         """Returns final hidden states [T, hidden] (pre-norm applied) and captured layer outputs."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions, x.dtype)
-        captured = []
+        captured = {}
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_caches[i]
             x = layer(x, cos, sin, k_cache, v_cache, meta)
             if i in capture_layers:
-                captured.append(x)
-        return self.norm(x), captured
+                captured[i] = x
+        return self.norm(x), [captured[i] for i in capture_layers]
 
     def compute_logits(self, hidden):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

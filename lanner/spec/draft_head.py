@@ -88,19 +88,26 @@ class DraftHead(nn.Module):
         """[T, 3h] target features -> [T, h] (the head's input hidden)."""
         return self.fc(features)
 
-    def forward(self, hidden, token_emb, positions, k_cache, v_cache, meta: AttentionMetadata):
-        """hidden: [T, h] fused target features or the head's own previous output; token_emb: [T, h].
-        Returns (logits over the draft vocabulary [T, N], output hidden [T, h])."""
+    def qkv(self, hidden, token_emb, positions):
+        """-> q [T, H, D], k and v [T, Hkv, D] with RoPE applied (shared by inference and training)."""
         T = hidden.shape[0]
         x = torch.cat([self.input_layernorm(token_emb), self.hidden_norm(hidden)], dim=-1)
         qkv = self.qkv_proj(x).view(T, self.H + 2 * self.Hkv, self.D)
         cos, sin = self.rotary.lookup(positions, hidden.dtype)
         qk = apply_rotary(qkv[:, : self.H + self.Hkv], cos, sin)
-        attn = paged_attention(qk[:, : self.H], qk[:, self.H :], qkv[:, self.H + self.Hkv :], k_cache, v_cache,
-                               meta, self.scale)
+        return qk[:, : self.H], qk[:, self.H :], qkv[:, self.H + self.Hkv :]
+
+    def post(self, hidden, attn):
+        """attn: [T, H * D] -> (draft-vocabulary logits [T, N], output hidden [T, h])."""
         out = hidden + self.o_proj(attn)
         out = out + self.mlp(self.post_attention_layernorm(out))
         return self.lm_head(self.norm(out)), out
+
+    def forward(self, hidden, token_emb, positions, k_cache, v_cache, meta: AttentionMetadata):
+        """hidden: [T, h] fused target features or the head's own previous output; token_emb: [T, h].
+        Returns (logits over the draft vocabulary [T, N], output hidden [T, h])."""
+        q, k, v = self.qkv(hidden, token_emb, positions)
+        return self.post(hidden, paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.d2t[draft_ids]

@@ -1,0 +1,202 @@
+"""Acceptance length (tau) of a draft through the engine's real speculative path.
+
+Prompts run one at a time (single stream, greedy, EOS respected) on a speculative engine and on a plain one.
+tau per (dataset, k) = tokens emitted by verify steps / verify steps, summed over prompts. MT-Bench's second
+turn follows the engine's own first answer, on both engines. Each engine also reports decode tok/s
+((output tokens - 1) / decode time: prefill, and so the prefix cache that later runs of a prompt hit, is left
+out), and the greedy outputs of every k are checked token for token against plain decoding.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+
+from lanner.bench import report
+from lanner.train.data import EVAL_SETS, load_eval_set, load_prompts_file
+
+HELP = "Measure a draft's acceptance length (tau) on evaluation sets."
+DESCRIPTION = (
+    "Measure a draft's acceptance length tau through the engine's speculative path, single stream and greedy, "
+    "for each number of draft tokens k (--steps), on HumanEval, MT-Bench (both turns), GSM8K and held-out "
+    "ShareGPT. Also reports decode tok/s against plain decoding measured in the same run and checks that "
+    "greedy outputs are token-identical to it. Prints a markdown table and writes a JSON file and a PNG chart.")
+WARMUP_PROMPT = "Say hello in three languages."
+
+
+def add_arguments(p):
+    """Options of `lanner eval-accept`; added after the engine options (the parser resolves conflicts), so
+    --draft here replaces the engine's and the speculative options this command sets itself are hidden."""
+    import argparse
+
+    p.add_argument("--draft", default="default",
+                   help="draft head: 'default', 'hass', a folder, or 'ngram' for n-gram prompt lookup")
+    p.add_argument("--datasets", default=None,
+                   help=f"comma-separated, from {','.join(EVAL_SETS)} (default: all; only --prompts when given)")
+    p.add_argument("--prompts", default=None, help='extra JSONL file of {"turns": [str, ...]} lines')
+    p.add_argument("--steps", default="3,4,5,6", help="comma-separated draft lengths k to measure (1..8)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="most tokens generated per turn")
+    p.add_argument("--limit", type=int, default=20, help="prompts per dataset (the first N, fixed order)")
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the ShareGPT train/held-out split")
+    p.add_argument("--json", default=None, help="result file (default: OUT_DIR/eval_accept.json); "
+                                               "the PNG chart is written next to it")
+    p.add_argument("--out-dir", default="results", help="folder for the result files when --json is not given")
+    for flag, default, type_ in (("--spec", None, str), ("--spec-tokens", 5, int), ("--spec-max-batch", 1, int)):
+        p.add_argument(flag, default=default, type=type_, help=argparse.SUPPRESS)
+    # float32: only then are spec and plain greedy outputs expected to match exactly
+    p.set_defaults(dtype="float32")
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        sys.exit(f"lanner: error: --{name}: expected comma-separated integers, got {text!r}")
+    if not values:
+        sys.exit(f"lanner: error: --{name}: empty")
+    return values
+
+
+def _run_item(llm, item: dict, params) -> list[tuple]:
+    """Runs an item's turns in order, each turn seeing the engine's own earlier answers.
+    Returns (RequestOutput, wall seconds) per turn."""
+    from lanner.engine.llm_engine import RequestError
+
+    conv, outs = [], []
+    for turn in item["turns"]:
+        conv.append({"role": "user", "content": turn})
+        ids = llm.tokenizer.apply_chat_template(conv)
+        t0 = time.perf_counter()
+        out = llm.generate(ids, params)[0]
+        wall = time.perf_counter() - t0
+        if out.error:
+            raise RequestError(f"{item['id']}: {out.error}")
+        outs.append((out, wall))
+        conv.append({"role": "assistant", "content": out.text})
+    return outs
+
+
+def _measure(llm, items: list[dict], params, desc: str) -> dict:
+    from tqdm import tqdm
+
+    s = {"token_ids": [], "emitted": 0, "verify_steps": 0, "accepted_at": [], "decode_tokens": 0,
+         "decode_s": 0.0, "output_tokens": 0, "wall_s": 0.0, "requests": 0}
+    for item in tqdm(items, desc=desc, unit="prompt", leave=False):
+        turns = _run_item(llm, item, params)
+        s["token_ids"].append([out.token_ids for out, _ in turns])
+        for out, wall in turns:
+            m = out.metrics
+            if m["spec_verify_steps"]:
+                s["emitted"] += round(m["spec_accept_length"] * m["spec_verify_steps"])
+                s["verify_steps"] += m["spec_verify_steps"]
+                acc, total = m["spec_accepted_per_position"], s["accepted_at"]
+                total += [0] * (len(acc) - len(total))
+                for i, a in enumerate(acc):
+                    total[i] += a
+            s["decode_tokens"] += max(m["output_tokens"] - 1, 0)
+            s["decode_s"] += m["decode_s"]
+            s["output_tokens"] += m["output_tokens"]
+            s["wall_s"] += wall
+            s["requests"] += 1
+    return s
+
+
+def _rate(tokens, seconds):
+    return tokens / seconds if seconds > 0 else None
+
+
+def evaluate(llm_spec, llm_plain, datasets, steps: list[int], max_new_tokens: int = 128, limit: int | None = 20,
+             split_seed: int = 0, draft: str | None = None) -> list[dict]:
+    """llm_spec: a lanner.LLM with speculative decoding on (spec_max_batch >= 1); llm_plain: one without.
+    datasets: eval-set names (see data.EVAL_SETS) or a {name: [{"id", "turns"}, ...]} dict. Returns one row
+    per (dataset, k). Leaves llm_spec's spec_tokens as it found it."""
+    from lanner.engine.sampling import SamplingParams
+
+    if llm_spec.engine.proposer is None:
+        raise ValueError("llm_spec has no speculative decoding (spec=None)")
+    if not isinstance(datasets, dict):
+        datasets = {name: load_eval_set(name, limit, split_seed) for name in datasets}
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
+    cfg = llm_spec.engine.config
+    draft = draft or cfg.draft or cfg.spec
+    for llm in (llm_spec, llm_plain):  # first-call costs (allocator, lazy init) would land on the first prompt
+        llm.generate(llm.tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}]),
+                     SamplingParams(temperature=0, max_tokens=16))
+    rows, k_before = [], cfg.spec_tokens
+    try:
+        for name, items in datasets.items():
+            plain = _measure(llm_plain, items, params, f"{name} plain")
+            plain_tok_s = _rate(plain["decode_tokens"], plain["decode_s"])
+            for k in steps:
+                cfg.spec_tokens = k  # read every step, so one engine serves every k
+                s = _measure(llm_spec, items, params, f"{name} k={k}")
+                tok_s = _rate(s["decode_tokens"], s["decode_s"])
+                rows.append({
+                    "draft": draft, "dataset": name, "steps": k,
+                    "tau": s["emitted"] / s["verify_steps"] if s["verify_steps"] else None,
+                    "tok_s": tok_s, "plain_tok_s": plain_tok_s,
+                    "speedup": tok_s / plain_tok_s if tok_s and plain_tok_s else None,
+                    "identical": s["token_ids"] == plain["token_ids"],
+                    "prompts": len(items), "requests": s["requests"], "verify_steps": s["verify_steps"],
+                    "accept_rate_at": [a / s["verify_steps"] for a in s["accepted_at"]] if s["verify_steps"] else [],
+                    "e2e_tok_s": _rate(s["output_tokens"], s["wall_s"]),
+                    "plain_e2e_tok_s": _rate(plain["output_tokens"], plain["wall_s"]),
+                })
+    finally:
+        cfg.spec_tokens = k_before
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    table = report.markdown_table(
+        ["dataset", "k", "tau", "tok/s", "plain tok/s", "speedup", "identical"],
+        [[r["dataset"], r["steps"], report.fmt(r["tau"], 2), report.fmt(r["tok_s"]), report.fmt(r["plain_tok_s"]),
+          "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x", "yes" if r["identical"] else "NO"]
+         for r in rows])
+    return table + "\n\n(tau = emitted tokens per verify step; tok/s = decode tok/s, prefill excluded)"
+
+
+def run(args, engine_options: dict) -> dict:
+    from lanner.llm import LLM
+    from lanner.spec.drafts import resolve_draft
+
+    steps = sorted(set(_int_list(args.steps, "steps")))
+    if not all(1 <= k <= 8 for k in steps):
+        sys.exit(f"lanner: error: --steps: each k must be in 1..8, got {args.steps!r}")
+    names = [d.strip() for d in args.datasets.split(",") if d.strip()] if args.datasets else \
+        ([] if args.prompts else list(EVAL_SETS))
+    bad = [d for d in names if d not in EVAL_SETS]
+    if bad:
+        sys.exit(f"lanner: error: --datasets: unknown {', '.join(bad)}; choose from {', '.join(EVAL_SETS)}")
+    try:
+        datasets = {d: load_eval_set(d, args.limit, args.split_seed) for d in names}
+        if args.prompts:
+            name = os.path.splitext(os.path.basename(args.prompts))[0]
+            datasets[name] = load_prompts_file(args.prompts)[: args.limit]
+        draft_path = None if args.draft == "ngram" else resolve_draft(args.draft)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"lanner: error: {e}")
+
+    json_path, png_path = report.output_paths(args.json, args.out_dir, "eval_accept")
+    spec = "ngram" if args.draft == "ngram" else "draft"
+    llm_spec = LLM(**{**engine_options, "spec": spec, "draft": draft_path, "spec_max_batch": 1})
+    llm_plain = LLM(**{**engine_options, "spec": None, "draft": None})
+    config = llm_spec.engine.config
+    print(f"eval-accept: {llm_spec.engine.source.name} ({config.dtype}, {config.device}), draft {args.draft}, "
+          f"k {steps}, {', '.join(f'{n} x{len(v)}' for n, v in datasets.items())}", file=sys.stderr, flush=True)
+    rows = evaluate(llm_spec, llm_plain, datasets, steps, args.max_new_tokens, draft=args.draft)
+    source = llm_spec.engine.source
+    result = {"eval": "accept", "model": source.name, "model_path": source.path, "draft": args.draft,
+              "draft_path": draft_path, "spec": spec, "steps": steps, "datasets": list(datasets),
+              "limit": args.limit, "max_new_tokens": args.max_new_tokens, "split_seed": args.split_seed,
+              "env": report.environment(config), "rows": rows}
+    del llm_spec, llm_plain
+    gc.collect()
+    report.write_json(json_path, result)
+    report.line_chart(png_path, steps, {d: [r["tau"] or 0.0 for r in rows if r["dataset"] == d] for d in datasets},
+                      f"Acceptance length: draft {args.draft}, {source.name}", "draft tokens per step (k)",
+                      "tau (tokens per verify step)")
+    print(format_table(rows))
+    print(f"\nwrote {json_path} and {png_path}")
+    return result
