@@ -17,6 +17,7 @@ from lanner.kvcache.block_manager import BlockManager
 from lanner.metrics import EngineMetrics
 from lanner.models.loader import ModelSource, load_model
 from lanner.spec.draft_head import DraftHead, is_draft_head
+from lanner.spec.drafts import resolve_draft
 from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
 from lanner.spec.verify import verify_chain
 from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -78,7 +79,7 @@ class LLMEngine:
 
     def _load_draft(self):
         """-> ("head", DraftHead) for an EAGLE-style head folder, else ("model", standalone draft model)."""
-        path, tcfg = self.config.draft, self.model_config
+        path, tcfg = resolve_draft(self.config.draft), self.model_config
         if is_draft_head(path):
             head = DraftHead.load(path, self.config.torch_dtype, self.config.device)
             hc = head.cfg

@@ -119,7 +119,9 @@ class DraftHead(nn.Module):
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump({"architectures": [ARCH], **asdict(self.cfg)}, f, indent=2)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        # bfloat16 on disk: half the size, and what the head is served in by default
+        state = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).detach().contiguous().cpu()
+                 for k, v in self.state_dict().items()}
         save_file(state, os.path.join(folder, "model.safetensors"))
 
     @classmethod
@@ -129,7 +131,8 @@ class DraftHead(nn.Module):
         cfg = json.load(open(os.path.join(folder, "config.json")))
         cfg.pop("architectures", None)
         head = cls(DraftHeadConfig(**cfg))
-        head.load_state_dict(load_file(os.path.join(folder, "model.safetensors")))
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v
+                              for k, v in load_file(os.path.join(folder, "model.safetensors")).items()})
         head = head.to(device=device, dtype=dtype)
         head.d2t = head.d2t.long()
         head.init_rotary(device)
