@@ -33,7 +33,19 @@ def _package_file(module: str, *parts: str, pip_name: str) -> str:
 
 
 def shared_data_dir() -> str:
-    return os.environ.get("LANNER_SHARED_DATA") or os.path.join(_REPO_ROOT, "..", "shared", "data")
+    """$LANNER_SHARED_DATA, else the nearest `shared/data` beside the checkout or one of its parents."""
+    if os.environ.get("LANNER_SHARED_DATA"):
+        return os.environ["LANNER_SHARED_DATA"]
+    here = os.path.abspath(_REPO_ROOT)
+    while True:
+        candidate = os.path.join(os.path.dirname(here), "shared", "data")
+        if os.path.isdir(candidate) or os.path.dirname(here) == here:
+            break
+        here = os.path.dirname(here)
+    if not os.path.isdir(candidate):
+        raise FileNotFoundError("the evaluation data folder (GSM8K, MT-Bench) was not found beside the checkout "
+                                "or its parents; set LANNER_SHARED_DATA to it")
+    return candidate
 
 
 def _read_jsonl(path: str) -> list[dict]:
