@@ -265,10 +265,16 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
         return _sse(ErrorResponse(error=ErrorInfo(message=e.message, type=e.type, code=e.code)))
 
     async def finish(request: Request, first: RequestOutput, stream) -> RequestOutput | None:
+        """The final output of a non-streaming request; None if the client left; raises on an engine error."""
         if first.finished:
-            return first
-        done, out = await _until_disconnect(_last(outputs(first, stream)), request)
-        return out if done else None
+            out = first
+        else:
+            done, out = await _until_disconnect(_last(outputs(first, stream)), request)
+            if not done:
+                return None
+        if out.finish_reason == "error":
+            raise engine_error(out)
+        return out
 
     # ------------------------------------------------------------------ logprobs formatting
     def chat_logprobs(lps: list[dict] | None) -> ChatLogprobs | None:
@@ -334,9 +340,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
         if not body.stream:
             out = await finish(request, first, stream)
             if out is None:
-                return Response(status_code=499)
-            if out.finish_reason == "error":
-                raise engine_error(out)
+                return Response(status_code=499)  # the client is gone; nobody reads this
             return ChatCompletionResponse(
                 id=rid, created=created, model=engine.model_name, usage=_usage(out),
                 choices=[ChatChoice(message={"content": out.text}, logprobs=chat_logprobs(out.logprobs),
@@ -382,9 +386,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
         if not body.stream:
             out = await finish(request, first, stream)
             if out is None:
-                return Response(status_code=499)
-            if out.finish_reason == "error":
-                raise engine_error(out)
+                return Response(status_code=499)  # the client is gone; nobody reads this
             return CompletionResponse(
                 id=rid, created=created, model=engine.model_name, usage=_usage(out),
                 choices=[CompletionChoice(text=out.text, logprobs=completion_logprobs(out.logprobs, 0),
