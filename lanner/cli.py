@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -68,6 +69,14 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="draft tokens verified per step (1..8)")
     g.add_argument("--spec-max-batch", type=int, default=_ENGINE_DEFAULTS["spec_max_batch"],
                    help="speculate only while at most this many requests run")
+    g = p.add_argument_group("kernel plugins")
+    g.add_argument("--plugin", "--plugins", dest="plugin", default=None,
+                   help="NAME[,NAME]: use these plugins and stop if one does not fit; 'auto': use every installed "
+                        "plugin that fits, skip the rest; default: none ('lanner plugins list' shows them)")
+    g.add_argument("--plugin-option", action="append", default=[], metavar="NAME.KEY=VALUE",
+                   help="an option for a plugin (VALUE is parsed as JSON when it can be); repeatable")
+    g.add_argument("--plugin-verify", type=int, default=0, metavar="N",
+                   help="run plugin and own forward for the first N steps of each kind; stop on mismatch")
 
 
 def engine_kwargs(args) -> dict:
@@ -80,13 +89,30 @@ def engine_kwargs(args) -> dict:
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching, max_queue_len=args.max_queue_len,
                   spec=args.spec, draft=args.draft, spec_tokens=args.spec_tokens,
-                  spec_max_batch=args.spec_max_batch)
+                  spec_max_batch=args.spec_max_batch, plugin=args.plugin,
+                  plugin_options=plugin_options(args.plugin_option) or None, plugin_verify=args.plugin_verify)
     try:
         EngineConfig(**kwargs)
         ModelSource.resolve(args.model)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")
     return kwargs
+
+
+def plugin_options(items: list[str]) -> dict:
+    """["lowlat.threads=2", ...] -> {"lowlat": {"threads": 2}}."""
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        name, dot, opt = key.partition(".")
+        if not (sep and dot and name and opt):
+            sys.exit(f"lanner: error: --plugin-option expects NAME.KEY=VALUE, got {item!r}")
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+        out.setdefault(name, {})[opt] = value
+    return out
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int, temperature: float):
@@ -254,13 +280,15 @@ def run_chat(args):
 
 @subcommand
 def add_bench(sub):
-    from lanner.bench import latency, throughput
+    from lanner.bench import fixed, latency, replay, sessions, throughput
 
     p = new_parser(sub, "bench", "Measure latency and throughput.",
                    "Measure Lanner's speed. Each benchmark prints a markdown table and writes a JSON file and "
                    "a PNG chart.")
-    bench = p.add_subparsers(dest="benchmark", metavar="{latency,throughput}", required=True)
-    for module, name in ((latency, "latency"), (throughput, "throughput")):
+    bench = p.add_subparsers(dest="benchmark", metavar="{latency,throughput,replay,fixed,make-sessions}",
+                             required=True)
+    for module, name in ((latency, "latency"), (throughput, "throughput"), (replay, "replay"), (fixed, "fixed"),
+                         (sessions, "make-sessions")):
         b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
         module.add_arguments(b)
         add_engine_args(b)
@@ -340,6 +368,68 @@ def run_train_draft(args):
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
     train_draft_head(llm.engine.model, load_training_data(path), args.out, cfg, resume=not args.no_resume)
     print(f"wrote the draft head to {args.out} (training.json, loss.png beside it)")
+
+
+# ------------------------------------------------------------------ plugins
+
+@subcommand
+def add_plugins(sub):
+    p = new_parser(sub, "plugins", "List installed kernel plugins and check them against a model.",
+                   "Kernel plugins are packages registered under the entry-point group 'lanner.plugins'. "
+                   "'list' shows them; 'check' runs each one's register and check hooks for a model, device and "
+                   "dtype (no weights are loaded).")
+    cmd = p.add_subparsers(dest="plugins_command", metavar="{list,check}", required=True)
+    new_parser(cmd, "list", "List installed plugins.").set_defaults(run=run_plugins_list)
+    c = new_parser(cmd, "check", "Check which plugins fit a model, device and dtype.")
+    c.add_argument("--model", default=None, help="HF folder or .gguf (default: the bundled model)")
+    c.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    c.add_argument("--dtype", choices=sorted(DTYPES), default=_ENGINE_DEFAULTS["dtype"])
+    c.add_argument("--plugin-option", action="append", default=[], metavar="NAME.KEY=VALUE",
+                   help="an option for a plugin; repeatable")
+    c.set_defaults(run=run_plugins_check)
+
+
+def run_plugins_list(args):
+    from lanner.plugins import discover
+
+    eps = discover()
+    if not eps:
+        print("no plugins installed (entry-point group 'lanner.plugins')")
+        return 0
+    print("| plugin | entry point | package | architectures |\n|---|---|---|---|")
+    for name, ep in sorted(eps.items()):
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "?"
+        try:
+            archs = ", ".join(ep.load().architectures) or "(predicate)"
+        except Exception as e:  # list what is installed even when it cannot be imported
+            archs = f"cannot load: {type(e).__name__}: {e}"
+        print(f"| {name} | {ep.value} | {dist} | {archs} |")
+    return 0
+
+
+def run_plugins_check(args):
+    from lanner.models.loader import ModelSource, load_config
+    from lanner.plugins import Hardware, PluginMismatch, discover, select_plugins
+
+    try:
+        config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype)
+        model_config = load_config(ModelSource.resolve(args.model))[0]
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"lanner: error: {e}")
+    hw = Hardware.detect(config.device, config.torch_dtype)
+    options = plugin_options(args.plugin_option)
+    print(f"model {model_config.architecture} ({args.model or 'bundled default'}), {hw.device} "
+          f"({hw.device_name}), {args.dtype}\n")
+    print("| plugin | result |\n|---|---|")
+    fits = 0
+    for name in sorted(discover()):
+        try:
+            select_plugins(name, model_config, hw, {name: options[name]} if name in options else None)
+            result, fits = "fits", fits + 1
+        except PluginMismatch as e:
+            result = f"does not fit: {e}"
+        print(f"| {name} | {result} |")
+    return 0 if fits else 1
 
 
 # ------------------------------------------------------------------ entry point

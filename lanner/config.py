@@ -33,6 +33,12 @@ class EngineConfig:
     spec_max_batch: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
+    # kernel plugins (lanner.plugins): None/"none", "auto" (use what fits, skip the rest) or "name[,name]" (each
+    # must fit or the engine stops); options per plugin name; verify: run both paths for the first N steps of each
+    # kind and raise on mismatch
+    plugin: str | None = None
+    plugin_options: dict | None = None
+    plugin_verify: int = 0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -51,6 +57,11 @@ class EngineConfig:
             raise ValueError(f"spec: must be 'ngram', 'draft' or None, got {self.spec!r}")
         if self.spec == "draft" and not self.draft:
             raise ValueError("draft: spec='draft' needs a draft model path")
+        if self.plugin_verify < 0:
+            raise ValueError("plugin_verify: must be >= 0")
+        if self.plugin_options is not None and not (isinstance(self.plugin_options, dict) and all(
+                isinstance(v, dict) for v in self.plugin_options.values())):
+            raise ValueError("plugin_options: expected {plugin name: {option: value}}")
         if not 1 <= self.spec_tokens <= 8:
             raise ValueError(f"spec_tokens: must be in 1..8, got {self.spec_tokens}")
         for name in ("max_num_seqs", "max_queue_len", "max_num_batched_tokens"):
@@ -61,9 +72,15 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def kv_cache_bytes(self, bytes_per_token: int) -> int:
+    def kv_cache_bytes(self, bytes_per_token: int, already_used: int = 0) -> int:
         """Resolve the KV budget. 'auto' = 90% of free device memory on CUDA; on CPU, 25% of available RAM
-        capped at 1 GiB (a CPU box is usually shared with other work)."""
+        capped at 1 GiB (a CPU box is usually shared with other work). already_used: bytes that plugins took
+        after the budget's memory was measured; they come off an explicit or CPU budget (free CUDA memory
+        already reflects them)."""
+        total, from_free_memory = self._kv_budget()
+        return total if from_free_memory else max(0, total - already_used)
+
+    def _kv_budget(self) -> tuple[int, bool]:
         spec, absolute = self.kv_cache_memory, False
         if isinstance(spec, str):
             m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(gib|gb|g)?\s*", spec.lower())
@@ -76,13 +93,13 @@ class EngineConfig:
         if spec is not None and spec <= 0:
             raise ValueError("kv_cache_memory: must be positive")
         if spec is not None and (absolute or spec > 1):
-            return int(spec * 2**30)
-        available = _available_bytes(self.device)
+            return int(spec * 2**30), False
+        available, cuda = _available_bytes(self.device), self.device.startswith("cuda")
         if spec is None:
-            if self.device == "cpu":
-                return int(min(0.25 * available, 2**30))
-            return int(0.9 * available)
-        return int(spec * available)
+            if not cuda:
+                return int(min(0.25 * available, 2**30)), False
+            return int(0.9 * available), True
+        return int(spec * available), cuda
 
 
 def _available_bytes(device: str) -> int:

@@ -37,5 +37,16 @@ class EngineMetrics:
         self.spec_accepted_at = Counter("lanner_spec_accepted_tokens", "Accepted draft tokens by chain position",
                                         ["position"], registry=r)
 
+        self.plugin_steps = Counter("lanner_plugin_steps", "Model calls by the plugin that ran them ('none': the "
+                                    "engine's own forward) and step kind", ["plugin", "kind"], registry=r)
+        self.plugin_failures = Counter("lanner_plugin_failures", "Plugin exceptions at run time (the step fell back "
+                                       "and the plugin was disabled)", ["plugin", "kind"], registry=r)
+        self.plugin_verified = Counter("lanner_plugin_verified_steps", "Steps checked against the engine's own "
+                                       "forward (--plugin-verify)", ["plugin", "kind"], registry=r)
+        self.plugin_verify_failures = Counter("lanner_plugin_verify_failures", "Verified steps that mismatched",
+                                              ["plugin", "kind"], registry=r)
+        self.plugin_build_bytes = Gauge("lanner_plugin_build_bytes", "Memory a plugin's build hook took off the KV "
+                                        "budget", ["plugin"], registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,7 +15,9 @@ from lanner.engine.sampling import SamplingParams, sample
 from lanner.engine.scheduler import QueueFullError, Scheduler
 from lanner.kvcache.block_manager import BlockManager
 from lanner.metrics import EngineMetrics
-from lanner.models.loader import ModelSource, load_model
+from lanner.models.loader import ModelSource, load_config, load_model
+from lanner.plugins import Hardware, PluginRuntime, PluginVerifyError, StepKind, select_plugins, storage_ptrs, \
+    tensor_bytes
 from lanner.spec.draft_head import DraftHead, is_draft_head
 from lanner.spec.drafts import resolve_draft
 from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
@@ -40,7 +42,14 @@ class LLMEngine:
         self.source = ModelSource.resolve(config.model)
         self.model_name = config.served_model_name or self.source.name
         t0 = time.perf_counter()
-        self.model, self.model_config = load_model(self.source, config.torch_dtype, config.device)
+        loaded_config = load_config(self.source)
+        self.metrics = EngineMetrics()
+        # plugins are chosen and checked before any weight loads, so a mismatch costs nothing
+        self.hardware = Hardware.detect(config.device, config.torch_dtype)
+        plugins = select_plugins(config.plugin, loaded_config[0], self.hardware, config.plugin_options)
+        self.model, self.model_config = load_model(self.source, config.torch_dtype, config.device, loaded_config)
+        self.plugin_bytes = self._build_plugins(plugins)
+        self.plugins = PluginRuntime(plugins, self.metrics, config.plugin_verify) if plugins else None
         # skip_tokenizer: token ids in and out only (like vLLM's skip_tokenizer_init), e.g. for tokenizer-less models
         self.tokenizer = None if config.skip_tokenizer else Tokenizer(self.source, self.model_config.eos_token_ids)
         self.eos_token_ids = self.model_config.eos_token_ids if self.tokenizer is None else \
@@ -53,29 +62,43 @@ class LLMEngine:
         if draft_model is not None:  # the draft's pool shares the target's block tables, so it shares the budget
             geometry = draft_model.model_cfg if draft_kind == "head" else draft_model.cfg
             per_token += ModelRunner.bytes_per_token(geometry, config.torch_dtype)
-        self.num_blocks = config.kv_cache_bytes(per_token) // (per_token * config.block_size)
+        kv_bytes = config.kv_cache_bytes(per_token, already_used=self.plugin_bytes)
+        self.num_blocks = kv_bytes // (per_token * config.block_size)
         if self.num_blocks < 2:
-            raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} leaves room for {self.num_blocks} blocks")
+            raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} leaves room for {self.num_blocks} blocks"
+                             + (f" after plugins took {self.plugin_bytes / 2**20:.0f} MiB" if self.plugin_bytes else ""))
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_queue_len)
         capture = draft_model.cfg.feature_layers if draft_kind == "head" else ()
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.torch_dtype, config.device,
-                                  capture)
+                                  capture, self.plugins)
         self.proposer = None
-        args = (self.num_blocks, config.block_size, config.torch_dtype, config.device)
+        args = (self.num_blocks, config.block_size, config.torch_dtype, config.device, self.plugins)
         if config.spec == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
         elif draft_kind == "head":
             self.proposer = DraftHeadProposer(draft_model, self.model, *args)
         elif draft_kind == "model":
             self.proposer = DraftModelProposer(draft_model, *args)
-        self.metrics = EngineMetrics()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         log.info("loaded %s in %.1fs: %d KV blocks x %d tokens (%.2f GiB), max_model_len %d", self.model_name,
                  self.load_s, self.num_blocks, config.block_size, self.num_blocks * config.block_size * per_token
                  / 2**30, self.max_model_len)
+
+    def _build_plugins(self, plugins) -> int:
+        """Runs each plugin's build hook; returns the bytes they now hold (taken off the KV budget)."""
+        total, cuda = 0, self.hardware.kind == "cuda"
+        owned = storage_ptrs(self.model)
+        for p in plugins:
+            before = torch.cuda.memory_allocated(self.config.device) if cuda else 0
+            p.build(self.model, self.model_config, self.hardware)
+            used = torch.cuda.memory_allocated(self.config.device) - before if cuda else tensor_bytes(p, owned)
+            self.metrics.plugin_build_bytes.labels(p.name).set(used)
+            log.info("plugin %s built: %.1f MiB", p.name, used / 2**20)
+            total += max(0, used)
+        return total
 
     def _load_draft(self):
         """-> ("head", DraftHead) for an EAGLE-style head folder, else ("model", standalone draft model)."""
@@ -190,7 +213,9 @@ class LLMEngine:
                 chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
                                    it.request.block_table, "all" if it.draft else "last" if it.samples else "none")
                           for it in items]
-                logits = self.runner.run(chunks)
+                kind = StepKind.PREFILL if any(it.num_tokens > 1 for it in items) else \
+                    StepKind.VERIFY if spec else StepKind.DECODE
+                logits = self.runner.run(chunks, kind)
                 emitted, plain_rows, plain_reqs, row = {}, [], [], 0
                 for it in items:
                     if it.draft:
@@ -206,6 +231,8 @@ class LLMEngine:
                     result = sample(logits[plain_rows], plain_reqs)
                     for r, tok, lp in zip(plain_reqs, result.token_ids, result.logprobs):
                         emitted[id(r)] = (tok, lp)
+            except PluginVerifyError:  # --plugin-verify exists to stop loudly
+                raise
             except Exception as e:  # a bug or a device error: fail this batch, keep serving the rest
                 log.exception("engine step failed; failing %d requests", len(items))
                 self.metrics.step_errors.inc()

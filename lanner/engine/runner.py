@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from lanner.layers.attention import build_attention_metadata
+from lanner.plugins import PluginRuntime, Step, StepKind
 
 
 @dataclass
@@ -18,8 +19,10 @@ class SeqChunk:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, dtype, device, capture_layers=()):
+    def __init__(self, model, num_blocks: int, block_size: int, dtype, device, capture_layers=(),
+                 plugins: PluginRuntime | None = None, role: str = "target"):
         cfg = model.cfg
+        self.plugins, self.role = plugins, role  # role: "target" | "draft" (Step.model for plugin dispatch)
         # layers whose outputs the last run() keeps in self.features ([T, len * hidden]), for draft heads
         self.capture_layers = tuple(capture_layers)
         self.features: torch.Tensor | None = None
@@ -35,8 +38,9 @@ class ModelRunner:
         return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
     @torch.inference_mode()
-    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Returns float32 logits for the requested rows, in chunk order ([rows, vocab])."""
+    def run(self, chunks: list[SeqChunk], kind: StepKind | None = None) -> torch.Tensor:
+        """Returns float32 logits for the requested rows, in chunk order ([rows, vocab]). `kind` tells plugins
+        what step this is (default: PREFILL if any chunk has several tokens, else DECODE)."""
         ids, pos, q_lens, ctx_lens, rows = [], [], [], [], []
         t = 0
         for c in chunks:
@@ -52,8 +56,14 @@ class ModelRunner:
                 rows.extend(range(t - n, t))
         dev = self.device
         meta = build_attention_metadata(q_lens, ctx_lens, [c.block_table for c in chunks], self.block_size, dev)
-        hidden, captured = self.model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv_caches,
-                                      meta, self.capture_layers)
+        args = (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv_caches, meta,
+                self.capture_layers)
+        if self.plugins is None:
+            hidden, captured = self.model(*args)
+        else:
+            if kind is None:
+                kind = StepKind.PREFILL if any(len(c.tokens) > 1 for c in chunks) else StepKind.DECODE
+            hidden, captured = self.plugins.forward(Step(kind, t, len(chunks), self.role), self.model, *args)
         self.features = torch.cat(captured, dim=-1) if captured else None
         if not rows:
             return hidden.new_empty(0, 0)

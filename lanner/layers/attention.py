@@ -23,6 +23,11 @@ class AttentionMetadata:
     mask: torch.Tensor | None  # [B, 1, Qmax, Lmax] bool, None when no masking is needed
     is_causal: bool  # single sequence prefill from position 0: SDPA's causal fast path
     q_dest: torch.Tensor | None  # [T] row of each token in the padded [B * Qmax] layout; None if dense
+    # the step's layout as given, for kernels (plugins) that build their own: per sequence
+    q_lens: list[int] | None = None
+    ctx_lens: list[int] | None = None
+    block_tables: list[list[int]] | None = None
+    block_size: int = 0
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -84,4 +89,5 @@ def build_attention_metadata(q_lens, ctx_lens, block_tables, block_size, device)
         mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
         mask[:, :, 0] |= i[None, :] >= ql[:, None]  # padded query rows attend to slot 0: avoids NaN rows
         mask = mask[:, None].to(device)
-    return AttentionMetadata(slot_mapping, B, Qmax, kv_slots, kv_range, mask, is_causal, q_dest)
+    return AttentionMetadata(slot_mapping, B, Qmax, kv_slots, kv_range, mask, is_causal, q_dest, list(q_lens),
+                             list(ctx_lens), block_tables, block_size)

@@ -146,11 +146,12 @@ def load_config(source: ModelSource):
     return ModelConfig.from_hf(cfg), None, None
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: str):
-    """Returns (model, ModelConfig). Builds on the meta device, materializes once, then copies weights in."""
+def load_model(source: ModelSource, dtype: torch.dtype, device: str, loaded_config=None):
+    """Returns (model, ModelConfig). Builds on the meta device, materializes once, then copies weights in.
+    loaded_config: what load_config(source) returned, when the caller already read it."""
     from lanner.models.llama import LlamaModel
 
-    cfg, freq_factors, reader = load_config(source)
+    cfg, freq_factors, reader = loaded_config or load_config(source)
     with torch.device("meta"):
         model = LlamaModel(cfg, freq_factors)
     model = model.to_empty(device=device).to(dtype)

@@ -13,6 +13,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from lanner.engine.runner import ModelRunner, SeqChunk
 from lanner.engine.sampling import processed_probs, sample_from_probs
 from lanner.layers.attention import build_attention_metadata
+from lanner.plugins import Step, StepKind
 
 
 class Proposer:
@@ -54,13 +55,13 @@ class DraftModelProposer(Proposer):
     so it lives in the target's block tables: allocation, prefix sharing and rollback come for free."""
     name = "draft"
 
-    def __init__(self, model, num_blocks: int, block_size: int, dtype, device):
-        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+    def __init__(self, model, num_blocks: int, block_size: int, dtype, device, plugins=None):
+        self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, plugins=plugins, role="draft")
 
     def propose(self, requests, ks):
         # draft-extend: bring the draft's KV up to the last verified token; its last row predicts d_1
         chunks = [SeqChunk(r.all_ids[r.draft_computed :], r.draft_computed, r.block_table) for r in requests]
-        logits = self.runner.run(chunks)
+        logits = self.runner.run(chunks, StepKind.DRAFT_EXTEND)
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i in range(len(requests)) if ks[i] > 0]
@@ -78,7 +79,7 @@ class DraftModelProposer(Proposer):
             active = [i for i in active if ks[i] > j]
             if active:  # feed d_j back in at position num_tokens + j - 1
                 rows = self.runner.run([SeqChunk([drafts[i][-1]], requests[i].num_tokens + j - 1,
-                                                 requests[i].block_table) for i in active])
+                                                 requests[i].block_table) for i in active], StepKind.DRAFT)
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
     def after_verify(self, req, num_proposed, num_accepted, tokens_before):
@@ -92,17 +93,21 @@ class DraftHeadProposer(Proposer):
     forward verified). Draft-extend consumes them; the chain then feeds the head's own hidden state back."""
     name = "draft-head"
 
-    def __init__(self, head, target, num_blocks: int, block_size: int, dtype, device):
+    def __init__(self, head, target, num_blocks: int, block_size: int, dtype, device, plugins=None):
         self.head, self.target, self.block_size, self.device = head, target, block_size, device
+        self.plugins = plugins
         cfg = head.model_cfg
         self.kv = torch.zeros(2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
         self.vocab = target.cfg.vocab_size
 
     @torch.inference_mode()
-    def _forward(self, hidden, tokens, positions, q_lens, ctx_lens, tables):
+    def _forward(self, kind, hidden, tokens, positions, q_lens, ctx_lens, tables):
         meta = build_attention_metadata(q_lens, ctx_lens, tables, self.block_size, self.device)
         emb = self.target.embed_tokens(torch.tensor(tokens, device=self.device))
-        return self.head(hidden, emb, torch.tensor(positions, device=self.device), self.kv[0], self.kv[1], meta)
+        args = (hidden, emb, torch.tensor(positions, device=self.device), self.kv[0], self.kv[1], meta)
+        if self.plugins is None:
+            return self.head(*args)
+        return self.plugins.forward(Step(kind, len(tokens), len(q_lens), "draft_head"), self.head, *args)
 
     @torch.inference_mode()
     def propose(self, requests, ks):
@@ -122,7 +127,8 @@ class DraftHeadProposer(Proposer):
             last_rows.append(t - 1)
             r.pending_feats = None
         hidden = self.head.fuse(torch.cat(feats).to(self.head.fc.weight.dtype))
-        logits, out = self._forward(hidden, tokens, positions, q_lens, ctx_lens, [r.block_table for r in requests])
+        logits, out = self._forward(StepKind.DRAFT_EXTEND, hidden, tokens, positions, q_lens, ctx_lens,
+                                    [r.block_table for r in requests])
         rows = torch.tensor(last_rows, device=self.device)
         logits, g = logits[rows].float(), out[rows]
         drafts: list[list[int]] = [[] for _ in requests]
@@ -148,7 +154,7 @@ class DraftHeadProposer(Proposer):
             g = g[torch.tensor(keep, device=self.device)]
             reqs = [requests[i] for i in active]
             pos = [r.num_tokens - 2 + j for r in reqs]  # d_j enters at position num_tokens - 2 + j
-            logits, g = self._forward(g, [drafts[i][-1] for i in active], pos, [1] * len(active),
+            logits, g = self._forward(StepKind.DRAFT, g, [drafts[i][-1] for i in active], pos, [1] * len(active),
                                       [p + 1 for p in pos], [r.block_table for r in reqs])
             logits = logits.float()
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]

@@ -1,0 +1,175 @@
+"""Kernel plugins: discovery through entry points, selection and checks, and per-step dispatch with counters,
+verification against the engine's own forward, and fallback. The contract is in lanner.plugins.base."""
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+
+import torch
+
+from lanner.plugins.base import (Hardware, Plugin, PluginMismatch, PluginVerifyError, Step,  # noqa: F401
+                                 StepKind)
+
+log = logging.getLogger("lanner")
+GROUP = "lanner.plugins"
+
+
+def discover() -> dict:
+    """name -> entry point of every installed plugin (group `lanner.plugins`)."""
+    return {ep.name: ep for ep in entry_points(group=GROUP)}
+
+
+def load_plugin(name: str, options: dict | None = None) -> Plugin:
+    eps = discover()
+    if name not in eps:
+        raise PluginMismatch(f"plugin {name!r} is not installed; installed plugins: {', '.join(sorted(eps)) or 'none'}"
+                             f" (plugins register under the entry-point group {GROUP!r})")
+    cls = eps[name].load()
+    if not (isinstance(cls, type) and issubclass(cls, Plugin)):
+        raise PluginMismatch(f"plugin {name!r}: entry point {eps[name].value} is not a lanner.plugins.Plugin class")
+    plugin = cls(**(options or {}))
+    plugin.name = plugin.name or name
+    return plugin
+
+
+def select_plugins(spec: str | None, model_config, hardware: Hardware, options: dict | None = None) -> list[Plugin]:
+    """spec: None/"none" -> []; "auto" -> every installed plugin that supports the model and passes check
+    (others are skipped with a log line); "a,b" -> exactly these, and any that does not fit raises PluginMismatch.
+    options: {plugin name: {option: value}}."""
+    if spec in (None, "", "none"):
+        return []
+    options = options or {}
+    auto = spec == "auto"
+    names = sorted(discover()) if auto else [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = set(options) - set(names)
+    if unknown and not auto:
+        raise PluginMismatch(f"plugin options given for {sorted(unknown)}, which are not selected")
+    chosen = []
+    for name in names:
+        try:
+            plugin = load_plugin(name, options.get(name))
+            if not plugin.supports(model_config):
+                raise PluginMismatch(f"plugin {name!r} does not support the model structure "
+                                     f"{model_config.architecture}; it supports {list(plugin.architectures) or 'a predicate'}")
+            plugin.check(model_config, hardware)
+        except PluginMismatch as e:
+            if not auto:
+                raise
+            log.info("plugins auto: skipping %s: %s", name, e)
+            continue
+        except Exception as e:  # a broken plugin must not take auto mode down with it
+            if not auto:
+                raise PluginMismatch(f"plugin {name!r} failed to load: {type(e).__name__}: {e}") from e
+            log.warning("plugins auto: skipping %s: %s: %s", name, type(e).__name__, e)
+            continue
+        chosen.append(plugin)
+    return chosen
+
+
+def tensor_bytes(obj, exclude: set | None = None) -> int:
+    """Bytes of the distinct tensor storages reachable from obj's attributes (modules, lists, dicts), leaving
+    out storages in `exclude` (data_ptrs of storages the engine already owns, e.g. the model's weights)."""
+    seen, total, stack, visited = set(exclude or ()), 0, [obj], set()
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            st = o.untyped_storage()
+            if st.data_ptr() not in seen and o.device.type != "meta":
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+            continue
+        if id(o) in visited or isinstance(o, (str, bytes, int, float, bool, type(None), type)):
+            continue
+        visited.add(id(o))
+        if isinstance(o, torch.nn.Module):
+            stack.extend(o.parameters())
+            stack.extend(o.buffers())
+        if isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif hasattr(o, "__dict__"):
+            stack.extend(vars(o).values())
+    return total
+
+
+def storage_ptrs(module: torch.nn.Module) -> set:
+    return {t.untyped_storage().data_ptr() for t in list(module.parameters()) + list(module.buffers())}
+
+
+class PluginRuntime:
+    """Routes each model call to the first plugin that covers it, else to the module's own forward.
+
+    verify_steps: for the first N calls of each (plugin, step kind) also run the own forward and raise
+    PluginVerifyError beyond tolerance. A plugin that raises during a step is disabled, the step reruns on
+    the own forward, and the failure is logged and counted: no request is lost."""
+
+    def __init__(self, plugins: list[Plugin], metrics=None, verify_steps: int = 0):
+        self.plugins = list(plugins)
+        self.disabled: dict[str, str] = {}  # name -> why
+        self.metrics, self.verify_steps = metrics, verify_steps
+        self.verified: dict[tuple[str, str], int] = {}
+        self.counts: dict[tuple[str, str], int] = {}  # (plugin or "none", kind) -> calls, also in /metrics
+
+    @property
+    def active(self) -> list[Plugin]:
+        return [p for p in self.plugins if p.name not in self.disabled]
+
+    def _count(self, name: str, kind: str):
+        self.counts[(name, kind)] = self.counts.get((name, kind), 0) + 1
+        if self.metrics is not None:
+            self.metrics.plugin_steps.labels(name, kind).inc()
+
+    def forward(self, step: Step, module, *args):
+        kind = step.kind.value
+        for plugin in self.active:
+            try:
+                if not plugin.covers(step):
+                    continue
+                out = plugin.forward(step, module, *args)
+            except Exception as e:
+                self.disabled[plugin.name] = f"{type(e).__name__}: {e}"
+                log.exception("plugin %s failed in a %s step; disabled, falling back to the engine's own forward",
+                              plugin.name, kind)
+                if self.metrics is not None:
+                    self.metrics.plugin_failures.labels(plugin.name, kind).inc()
+                break
+            key = (plugin.name, kind)
+            if self.verified.get(key, 0) < self.verify_steps:
+                self.verified[key] = self.verified.get(key, 0) + 1
+                self._verify(plugin, step, out, module(*args))
+            self._count(plugin.name, kind)
+            return out
+        self._count("none", kind)
+        return module(*args)
+
+    def _verify(self, plugin: Plugin, step: Step, got, want):
+        tol = plugin.verify_tolerance
+        got_t, want_t = _tensors(got), _tensors(want)
+        if len(got_t) != len(want_t):
+            raise PluginVerifyError(f"plugin {plugin.name} ({step.kind.value}): returned {len(got_t)} tensors, "
+                                    f"the engine's forward {len(want_t)}")
+        for i, (g, w) in enumerate(zip(got_t, want_t)):
+            if tol is None:
+                tol = 1e-4 if w.dtype == torch.float32 else 3e-2
+            if g.shape != w.shape:
+                raise PluginVerifyError(f"plugin {plugin.name} ({step.kind.value}): output {i} has shape "
+                                        f"{tuple(g.shape)}, expected {tuple(w.shape)}")
+            err = ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-6)).item() \
+                if w.numel() else 0.0
+            if not err <= tol:
+                if self.metrics is not None:
+                    self.metrics.plugin_verify_failures.labels(plugin.name, step.kind.value).inc()
+                raise PluginVerifyError(f"plugin {plugin.name} ({step.kind.value}, {step.num_tokens} tokens, batch "
+                                        f"{step.batch_size}): output {i} differs from the engine's forward by "
+                                        f"{err:.3g} (relative max), tolerance {tol:g}")
+        if self.metrics is not None:
+            self.metrics.plugin_verified.labels(plugin.name, step.kind.value).inc()
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    return []

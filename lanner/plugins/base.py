@@ -1,0 +1,116 @@
+"""The plugin contract. A plugin is a class found through the entry-point group `lanner.plugins`; Lanner's core
+never imports vendor code. Its four hooks, in the order of the engine's life:
+
+1. register: `architectures` / `supports(model_config)` say which model structures it handles;
+2. check(model_config, hardware): before any weight loads; raise PluginMismatch naming what does not fit;
+3. build(model, model_config, hardware): after weights load and before the KV cache is sized; whatever tensors
+   the plugin keeps (reachable from its attributes, or CUDA allocations) are subtracted from the KV budget;
+4. covers(step) / forward(step, model, *args): per model call; steps a plugin does not cover run the engine's
+   own forward. `forward` takes exactly the arguments of the covered module's own forward and returns what it
+   returns: for the target and draft models (PREFILL, DECODE, VERIFY, and DRAFT / DRAFT_EXTEND of a draft
+   model) that is LlamaModel.forward(input_ids, positions, kv_caches, meta, capture_layers) -> (hidden,
+   captured); for an EAGLE-style draft head (DRAFT / DRAFT_EXTEND with `step.model == "draft_head"`),
+   DraftHead.forward(hidden, embeds, positions, k_cache, v_cache, meta) -> (logits, hidden).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class StepKind(str, enum.Enum):
+    PREFILL = "prefill"  # at least one sequence is prefilling prompt tokens
+    DECODE = "decode"  # one new token per sequence
+    VERIFY = "verify"  # the target scores draft chains
+    DRAFT = "draft"  # a draft proposes its next chained token
+    DRAFT_EXTEND = "draft_extend"  # a draft catches up on verified tokens
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: StepKind
+    num_tokens: int  # rows in this forward
+    batch_size: int  # sequences in this forward
+    model: str = "target"  # "target" | "draft" (a draft model) | "draft_head"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # "cpu", "cuda:0", ...
+    dtype: torch.dtype
+    device_name: str = ""
+    capability: tuple[int, int] | None = None  # CUDA compute capability
+    cpu_flags: frozenset = field(default_factory=frozenset)  # e.g. {"avx512f", "avx512_bf16"}
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "cuda" if self.device.startswith("cuda") else "cpu"
+
+    @classmethod
+    def detect(cls, device: str, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> "Hardware":
+        if device.startswith("cuda"):
+            dev = torch.device(device)
+            return cls(device, dtype, torch.cuda.get_device_name(dev), torch.cuda.get_device_capability(dev),
+                       tp_size=tp_size, tp_rank=tp_rank)
+        return cls(device, dtype, _cpu_name(), None, _cpu_flags(), tp_size, tp_rank)
+
+
+class PluginMismatch(RuntimeError):
+    """check() found the model, hardware, dtype or parallel layout unsupported; the message names which."""
+
+
+class PluginVerifyError(RuntimeError):
+    """--plugin-verify: the plugin's output differs from the engine's own beyond tolerance."""
+
+
+class Plugin:
+    name = ""  # set by the loader to the entry-point name when empty
+    architectures: tuple[str, ...] = ()  # HF architecture names; override supports() for a structural predicate
+    # --plugin-verify tolerance: max |plugin - own| / max |own| per output; None: 1e-4 for float32, 3e-2 otherwise
+    verify_tolerance: float | None = None
+
+    def __init__(self, **options):
+        if options:
+            raise ValueError(f"plugin {self.name!r} takes no options, got {sorted(options)}")
+
+    def supports(self, model_config) -> bool:
+        return model_config.architecture in self.architectures
+
+    def check(self, model_config, hardware: Hardware) -> None:
+        """Raise PluginMismatch naming the mismatch. No weights are loaded yet."""
+
+    def build(self, model, model_config, hardware: Hardware) -> None:
+        """Prepare weights/resources; keep them as attributes so the engine can account for their memory."""
+
+    def covers(self, step: Step) -> bool:
+        return False
+
+    def forward(self, step: Step, model, *args):
+        raise NotImplementedError
+
+
+def _cpu_flags() -> frozenset:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "cpu"
