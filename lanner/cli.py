@@ -339,6 +339,9 @@ def add_train_draft(sub):
     p.add_argument("--num-prompts", type=int, default=400, help="ShareGPT training prompts to use")
     p.add_argument("--max-new-tokens", type=int, default=192, help="response length cap when regenerating")
     p.add_argument("--gen-temperature", type=float, default=0.0, help="0: greedy regeneration")
+    p.add_argument("--original-responses", type=int, default=0, metavar="N",
+                   help="also train on the next N ShareGPT training prompts with ShareGPT's own replies (cheap: "
+                        "no regeneration; the loss is still on the target's distribution)")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the ShareGPT 90/10 split")
     p.add_argument("--no-resume", action="store_true", help="start training from scratch")
     defaults = TrainConfig()
@@ -357,16 +360,21 @@ def add_train_draft(sub):
 
 def run_train_draft(args):
     from lanner.llm import LLM
-    from lanner.train.data import generate_responses, load_training_data, split_sharegpt
+    from lanner.train.data import generate_responses, load_training_data, original_responses, split_sharegpt
     from lanner.train.hass import TrainConfig, train_draft_head
 
     llm = LLM(**engine_kwargs(args))
     train, _ = split_sharegpt(args.split_seed)
     path = generate_responses(llm, train[: args.num_prompts], args.data, max_new_tokens=args.max_new_tokens,
                               temperature=args.gen_temperature, split_seed=args.split_seed, train_frac=0.9)
+    sequences = load_training_data(path)
+    if args.original_responses:
+        tok = llm.engine.tokenizer
+        extra = train[args.num_prompts : args.num_prompts + args.original_responses]
+        sequences += original_responses(tok, extra, tok.eos_token_ids[0] if tok.eos_token_ids else None)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    train_draft_head(llm.engine.model, load_training_data(path), args.out, cfg, resume=not args.no_resume)
+    train_draft_head(llm.engine.model, sequences, args.out, cfg, resume=not args.no_resume)
     print(f"wrote the draft head to {args.out} (training.json, loss.png beside it)")
 
 

