@@ -127,3 +127,15 @@ def test_cli_plugin_options_and_check(example_installed):
     r = subprocess.run([lanner, "generate", "Hello", "--max-tokens", "4", "--plugin", "example", "--plugin-verify",
                         "2", "--dtype", "float32"], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
+def test_bench_latency_compares_the_plugin_with_plain(example_installed, tmp_path):
+    lanner = str(Path(sys.executable).with_name("lanner"))
+    out = tmp_path / "lat.json"
+    r = subprocess.run([lanner, "bench", "latency", "--plugin", "example", "--max-tokens", "6", "--prompts", "1",
+                        "--no-hf", "--dtype", "float32", "--json", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    import json
+    systems = json.loads(out.read_text())["systems"]
+    assert systems["lanner+example"]["greedy_identical_to_plain"] is True
+    assert systems["lanner+example"]["speedup_vs_plain"] > 0 and systems["lanner"]["tok_s"] > 0

@@ -163,24 +163,33 @@ def run(args, engine_options: dict) -> dict:
     print(f"latency: {source.name} ({config.dtype}, {config.device}), {len(prompts)} prompts x {args.max_tokens} "
           "tokens", file=sys.stderr, flush=True)
 
+    # the configured system first, then the peers measured in the same run: without speculation (when it has
+    # a plugin and speculation) and plain Lanner (no speculation, no plugin)
+    plugin = config.plugin if config.plugin not in (None, "", "none") else None
+    variants = []
+    if config.spec or plugin:
+        variants.append(("lanner" + (f"+{plugin}" if plugin else "") + (f"+{config.spec}" if config.spec else ""),
+                         {}))
+        if config.spec and plugin:
+            variants.append((f"lanner+{plugin}", {"spec": None, "draft": None}))
+    variants.append(("lanner", {"spec": None, "draft": None, "plugin": None}))
     runs = {}
-    if config.spec:  # speculative decoding: plain decoding is the peer, measured in the same run
-        spec_name = f"lanner+{config.spec}"
-        runs[spec_name] = bench_lanner(llm, prompt_ids, args.max_tokens)
-        del llm
-        gc.collect()
-        llm = LLM(**{**engine_options, "spec": None, "draft": None})
-    runs["lanner"] = bench_lanner(llm, prompt_ids, args.max_tokens)
+    for i, (name, overrides) in enumerate(variants):
+        if i:
+            del llm
+            gc.collect()
+            llm = LLM(**{**engine_options, **overrides})
+        runs[name] = bench_lanner(llm, prompt_ids, args.max_tokens)
     del llm  # on CUDA the engine's KV cache holds most of the free memory: release it before loading HF
     gc.collect()
     if config.device.startswith("cuda"):
         torch.cuda.empty_cache()
 
     systems = {name: _summary(r) for name, r in runs.items()}
-    if config.spec:
-        systems[spec_name]["speedup_vs_plain"] = systems[spec_name]["tok_s"] / systems["lanner"]["tok_s"]
-        systems[spec_name]["greedy_identical_to_plain"] = all(
-            a["token_ids"] == b["token_ids"] for a, b in zip(runs[spec_name], runs["lanner"]))
+    for name, _ in variants[:-1]:
+        systems[name]["speedup_vs_plain"] = systems[name]["tok_s"] / systems["lanner"]["tok_s"]
+        systems[name]["greedy_identical_to_plain"] = all(
+            a["token_ids"] == b["token_ids"] for a, b in zip(runs[name], runs["lanner"]))
     if args.no_hf:
         systems["hf"] = {"skipped": "--no-hf"}
     else:
@@ -209,7 +218,7 @@ def run(args, engine_options: dict) -> dict:
                         for i, (a, b) in enumerate(zip(runs["lanner"], runs["hf"]))]
 
     result = {"benchmark": "latency", "model": source.name, "model_path": source.path, "model_kind": source.kind,
-              "spec": config.spec, "draft": config.draft, "spec_tokens": config.spec_tokens if config.spec else None,
+              "spec": config.spec, "draft": config.draft, "plugin": plugin, "spec_tokens": config.spec_tokens if config.spec else None,
               "max_tokens": args.max_tokens, "prompts": prompts, "env": report.environment(config),
               "systems": systems, "greedy_match_vs_hf": greedy_match}
     report.write_json(json_path, result)
