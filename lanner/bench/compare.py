@@ -1,0 +1,272 @@
+"""What `bench replay` and `bench fixed` share: the session driver, per-level metrics, running the same
+workload on two systems (--plugin and --compare) one after the other, and the table, JSON and chart.
+
+A workload is a list of sessions, each a list of Turns sent one after the other (a fixed-length request is a
+one-turn session). For a concurrency level c, c sessions run at a time: a session's next turn is sent as soon
+as its previous one finishes (no think time), and a new session starts as soon as one ends. The driver steps
+the LLMEngine itself: scheduling then depends only on the workload, never on timing, so two systems with the
+same numerics produce the same greedy tokens (checked when they are compared).
+
+Per-user speed of a turn = (output tokens - 1) / (time of its last token - time of its first token). P10 of
+speed is the slow tail: the speed 90% of turns exceed.
+"""
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from lanner.bench import report
+
+
+@dataclass
+class Turn:
+    session: str  # session id
+    index: int  # assistant turn number within the session
+    prompt_ids: list[int]
+    max_tokens: int
+
+
+def add_arguments(p, name: str, concurrency: str):
+    p.add_argument("--concurrency", default=concurrency, help="comma-separated concurrency levels")
+    p.add_argument("--compare", default=None, metavar="PLUGIN",
+                   help="also run the benchmark with --plugin PLUGIN (e.g. 'none') in its own engine, loaded "
+                        "after the first is freed, and report the ratios of the two")
+    p.add_argument("--json", default=None, help=f"result file (default: OUT_DIR/{name}.json)")
+    p.add_argument("--png", default=None, help="chart file (default: the --json path with .png)")
+    p.add_argument("--out-dir", default="results", help="folder for the result files when --json is not given")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    xs = sorted(values)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# ------------------------------------------------------------------ the driver
+
+def run_sessions(engine, sessions: list[list[Turn]], concurrency: int, desc: str) -> tuple[list[dict], float]:
+    """Runs the sessions, `concurrency` at a time, greedy with EOS ignored. Returns (one record per turn, wall
+    seconds). Records keep the generated token ids under "token_ids"."""
+    from tqdm import tqdm
+
+    from lanner.engine.sampling import SamplingParams
+
+    pending, active, records = deque(range(len(sessions))), {}, []
+
+    def send(s: int, k: int):
+        turn = sessions[s][k]
+        params = SamplingParams(temperature=0, max_tokens=turn.max_tokens, ignore_eos=True)
+        req = engine.add_request(None, params, prompt_ids=turn.prompt_ids)
+        active[req.request_id] = (s, k)
+
+    n_turns = sum(len(s) for s in sessions)
+    with tqdm(total=n_turns, desc=desc, unit="turn", leave=False, file=sys.stderr) as bar:
+        t0 = time.perf_counter()
+        while pending or active:
+            while pending and len(active) < concurrency:
+                send(pending.popleft(), 0)
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                s, k = active.pop(out.request_id)
+                if out.error:
+                    raise RuntimeError(f"session {sessions[s][k].session!r} turn {k + 1}: {out.error}")
+                m, turn = out.metrics, sessions[s][k]
+                records.append({"session": turn.session, "turn": turn.index, "prompt_tokens": m["prompt_tokens"],
+                                "cached_prompt_tokens": m["cached_prompt_tokens"], "max_tokens": turn.max_tokens,
+                                "output_tokens": len(out.token_ids), "ttft_s": m["ttft_s"],
+                                "speed_tok_s": m["decode_tok_s"], "token_ids": list(out.token_ids)})
+                bar.update(1)
+                if k + 1 < len(sessions[s]):
+                    send(s, k + 1)
+        wall = time.perf_counter() - t0
+    return records, wall
+
+
+def summarize(system: str, concurrency: int, records: list[dict], wall: float) -> dict:
+    speeds = [r["speed_tok_s"] for r in records if r["speed_tok_s"] is not None]
+    ttfts = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+    tokens = sum(r["output_tokens"] for r in records)
+    prompt = sum(r["prompt_tokens"] for r in records)
+    return {"system": system, "concurrency": concurrency, "turns": len(records), "output_tokens": tokens,
+            "wall_s": wall, "output_tok_s": tokens / wall if wall > 0 else None,
+            "speed_p50_tok_s": percentile(speeds, 50), "speed_p10_tok_s": percentile(speeds, 10),
+            "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+            "prompt_tokens": prompt,
+            "cached_prompt_frac": sum(r["cached_prompt_tokens"] for r in records) / prompt if prompt else None,
+            "requests": [{k: v for k, v in r.items() if k != "token_ids"} for r in records]}
+
+
+# ------------------------------------------------------------------ systems
+
+def systems(engine_options: dict, compare: str | None) -> list[tuple[str, dict]]:
+    """[(name, engine options)]: the --plugin system, then the --compare one. Plugin options stay with the
+    plugins they name, so the compare system gets only those for its own plugins."""
+    from lanner.config import EngineConfig
+
+    first = engine_options.get("plugin") or "none"
+    out = [(first, engine_options)]
+    if compare is not None:
+        names = {n.strip() for n in compare.split(",")}
+        opts = {k: v for k, v in (engine_options.get("plugin_options") or {}).items()
+                if compare == "auto" or k in names}
+        other = engine_options | {"plugin": compare, "plugin_options": opts or None}
+        try:
+            EngineConfig(**other)
+        except ValueError as e:
+            sys.exit(f"lanner: error: --compare: {e}")
+        out.append((compare if compare != first else f"{compare} #2", other))
+    return out
+
+
+def _load(name: str, options: dict):
+    from lanner.llm import LLM
+    from lanner.plugins import PluginMismatch
+
+    try:
+        return LLM(**options)
+    except PluginMismatch as e:
+        sys.exit(f"lanner: error: system {name!r}: {e}")
+
+
+def _plugin_state(engine) -> dict:
+    rt = engine.plugins
+    if rt is None:
+        return {"active": [], "disabled": {}}
+    return {"active": [p.name for p in getattr(rt, "active", getattr(rt, "plugins", []))],
+            "disabled": dict(getattr(rt, "disabled", {}))}
+
+
+def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title: str, extra: dict) -> dict:
+    """Runs workload(engine, level) -> sessions at each --concurrency level on each system, after one warm-up
+    run of warmup(engine, highest level) -> sessions at the highest level. Workloads are built once, on the
+    first system's engine (same model, same tokenizer), so both systems get identical prompts. Writes JSON and
+    PNG, prints the table, returns the result."""
+    import torch
+
+    from lanner.bench.throughput import parse_levels
+
+    levels = parse_levels(args.concurrency)
+    json_path, png_path = report.output_paths(args.json, args.out_dir, name)
+    png_path = args.png or png_path
+    # the engine must not cap concurrency below the level being measured
+    engine_options = engine_options | {"max_num_seqs": max(engine_options["max_num_seqs"], levels[-1])}
+    configs = systems(engine_options, args.compare)
+    rows, tokens, infos, work, warm, meta = [], {}, [], None, None, {}
+    for sys_name, options in configs:
+        llm = _load(sys_name, options)
+        engine = llm.engine
+        if work is None:
+            work = {c: workload(engine, c) for c in levels}
+            warm = warmup(engine, levels[-1])
+            meta = {"model": engine.source.name, "model_path": engine.source.path,
+                    "env": report.environment(engine.config)}
+            print(f"{name}: {engine.source.name} ({engine.config.dtype}, {engine.config.device}), concurrency "
+                  f"{levels}, systems {[n for n, _ in configs]}", file=sys.stderr, flush=True)
+        run_sessions(engine, warm, levels[-1], f"{sys_name} warm-up")
+        tokens[sys_name] = {}
+        for c in levels:
+            records, wall = run_sessions(engine, work[c], c, f"{sys_name} c={c}")
+            tokens[sys_name][c] = {(r["session"], r["turn"]): r["token_ids"] for r in records}
+            rows.append(summarize(sys_name, c, records, wall))
+        infos.append({"name": sys_name, "plugin": options.get("plugin"),
+                      "plugin_options": options.get("plugin_options"), "plugins": _plugin_state(engine)})
+        device = engine.config.device
+        del llm, engine  # free this system before the next one loads
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    result = {"benchmark": name.removeprefix("bench_"), **meta, **extra, "levels_concurrency": levels,
+              "engine": {k: v for k, v in engine_options.items() if k not in ("model", "plugin", "plugin_options")},
+              "systems": infos, "levels": rows}
+    if len(configs) == 2:
+        a, b = (n for n, _ in configs)
+        result["comparison"] = comparison(rows, a, b, tokens)
+    report.write_json(json_path, result)
+    env = meta["env"]
+    speed_chart(png_path, rows, [n for n, _ in configs], levels,
+                f"{title}: {meta['model']}, {env['dtype']}, {env['device']}")
+    print(format_tables(result))
+    for info in infos:
+        if info["plugins"]["disabled"]:
+            print(f"\nWARNING: system {info['name']!r}: plugins disabled during the run (their steps fell back "
+                  f"to the engine's own forward): {info['plugins']['disabled']}", file=sys.stderr)
+    print(f"\nwrote {json_path} and {png_path}")
+    return result
+
+
+def comparison(rows: list[dict], a: str, b: str, tokens: dict) -> list[dict]:
+    """Per level: a's metrics over b's (a = the --plugin system, b = --compare), and how many turns produced
+    the same greedy token ids on both."""
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
+    by = {(r["system"], r["concurrency"]): r for r in rows}
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        ra, rb = by[(a, c)], by[(b, c)]
+        ta, tb = tokens[a][c], tokens[b][c]
+        out.append({"concurrency": c, "system": a, "baseline": b,
+                    **{f"{k}_ratio": ratio(ra[k], rb[k]) for k in
+                       ("speed_p50_tok_s", "speed_p10_tok_s", "ttft_p50_s", "ttft_p90_s", "output_tok_s")},
+                    "greedy_identical_turns": sum(ta[k] == tb.get(k) for k in ta), "turns": len(ta)})
+    return out
+
+
+def format_tables(result: dict) -> str:
+    f = report.fmt
+    rows = [[r["system"], r["concurrency"], r["turns"], f(r["speed_p50_tok_s"]), f(r["speed_p10_tok_s"]),
+             f(r["ttft_p50_s"] and r["ttft_p50_s"] * 1000), f(r["ttft_p90_s"] and r["ttft_p90_s"] * 1000),
+             f(r["output_tok_s"]), f(r["wall_s"]),
+             f(r["cached_prompt_frac"] and 100 * r["cached_prompt_frac"], 0)] for r in result["levels"]]
+    text = report.markdown_table(["system", "concurrency", "requests", "speed P50 tok/s", "speed P10 tok/s",
+                                  "TTFT P50 ms", "TTFT P90 ms", "output tok/s", "wall s", "prompt cached %"], rows)
+    text += ("\n\n(speed: per-user decode speed of each request, (tokens - 1) / (last token - first token); "
+             "P10 = the slow tail, the speed 90% of requests exceed)")
+    if "comparison" in result:
+        c0 = result["comparison"][0]
+        rows = [[c["concurrency"], f(c["speed_p50_tok_s_ratio"], 2), f(c["speed_p10_tok_s_ratio"], 2),
+                 f(c["ttft_p50_s_ratio"], 2), f(c["output_tok_s_ratio"], 2),
+                 f"{c['greedy_identical_turns']}/{c['turns']}"] for c in result["comparison"]]
+        text += f"\n\n{c0['system']} vs {c0['baseline']}:\n\n" + report.markdown_table(
+            ["concurrency", "speed P50 ratio", "speed P10 ratio", "TTFT P50 ratio", "output tok/s ratio",
+             "greedy identical"], rows)
+    return text
+
+
+def speed_chart(path: str, rows: list[dict], system_names: list[str], levels: list[int], title: str):
+    """Per-user speed vs concurrency: one color per system, P50 solid, P10 dashed."""
+    import os
+
+    plt = report._pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    colors = ["#3b6ea8", "#e0873a", "#5a9e5a", "#9467bd"]
+    for i, name in enumerate(system_names):
+        mine = sorted((r for r in rows if r["system"] == name), key=lambda r: r["concurrency"])
+        x = [r["concurrency"] for r in mine]
+        color = colors[i % len(colors)]
+        ax.plot(x, [r["speed_p50_tok_s"] or 0 for r in mine], marker="o", color=color, label=f"{name} P50")
+        ax.plot(x, [r["speed_p10_tok_s"] or 0 for r in mine], marker="o", color=color, linestyle="--",
+                label=f"{name} P10 (slow tail)")
+    ax.set_xscale("log", base=2)  # concurrency levels are usually powers of two
+    ax.set_xticks(levels, [str(v) for v in levels])
+    ax.minorticks_off()
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("concurrent sessions")
+    ax.set_ylabel("per-user decode tok/s")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
