@@ -378,6 +378,65 @@ def run_train_draft(args):
     print(f"wrote the draft head to {args.out} (training.json, loss.png beside it)")
 
 
+# ------------------------------------------------------------------ rcsd
+
+@subcommand
+def add_rcsd(sub):
+    from lanner.train.rcsd import RCSDConfig
+
+    p = new_parser(sub, "rcsd", "Continue training a draft head with DPO or GRPO for acceptance length (RCSD).",
+                   "Generates, through Lanner's engine with the --init head as draft, per ShareGPT training prompt "
+                   "a target-only sequence and sequences where the draft writes k tokens after each target token "
+                   "without verification (cached in --data, resumable); then continues training the head with DPO "
+                   "or GRPO against the frozen --init head as reference. Writes the head, training.json (cost, "
+                   "history) and curves.png to --out.")
+    add_engine_args(p)
+    p.add_argument("--method", choices=["dpo", "grpo"], required=True)
+    p.add_argument("--init", default="hass", help="the HASS head to start from: 'hass', 'default' or a folder")
+    p.add_argument("--out", required=True, help="output folder for the trained head")
+    p.add_argument("--data", default="data/rcsd/sequences.jsonl", help="cache of the generated sequences")
+    p.add_argument("--num-prompts", type=int, default=200, help="ShareGPT training prompts (90%% split)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generated sequence")
+    p.add_argument("--gen-batch", type=int, default=16, help="sequences generated per engine batch")
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the ShareGPT 90/10 split")
+    p.add_argument("--no-resume", action="store_true", help="start training from scratch")
+    p.add_argument("--ks", default="1,2,3", help="GRPO: draft lengths of the draft-alternating group members")
+    defaults = RCSDConfig()
+    for name, help_text in [("k", "DPO: draft tokens per target token in the bad sequence (serving depth)"),
+                            ("beta", "DPO temperature / GRPO KL weight"), ("epsilon", "GRPO ratio clip"),
+                            ("epochs", "passes over the prompts"), ("lr", "peak AdamW learning rate"),
+                            ("warmup_steps", "linear warmup steps"), ("grad_accum", "prompts per optimizer step"),
+                            ("max_len", "tokens per sequence"), ("seed", "training seed"),
+                            ("checkpoint_every", "optimizer steps between resumable checkpoints")]:
+        value = getattr(defaults, name)
+        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=value, help=help_text)
+    p.set_defaults(run=run_rcsd)
+
+
+def run_rcsd(args):
+    from lanner.llm import LLM
+    from lanner.spec.drafts import resolve_draft
+    from lanner.train.data import split_sharegpt
+    from lanner.train.rcsd import RCSDConfig, generate_sequences, train_rcsd
+
+    try:
+        cfg = RCSDConfig(method=args.method, k=args.k, ks=tuple(int(x) for x in args.ks.split(",")),
+                         beta=args.beta, epsilon=args.epsilon, epochs=args.epochs, lr=args.lr,
+                         warmup_steps=args.warmup_steps, grad_accum=args.grad_accum, max_len=args.max_len,
+                         checkpoint_every=args.checkpoint_every, seed=args.seed)
+        init = resolve_draft(args.init)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"lanner: error: {e}")
+    kwargs = engine_kwargs(args) | {"spec": "draft", "draft": init, "spec_tokens": max(cfg.draft_lengths),
+                                     "spec_max_batch": args.gen_batch, "max_num_seqs": args.gen_batch}
+    llm = LLM(**kwargs)
+    train, _ = split_sharegpt(args.split_seed)
+    rows = generate_sequences(llm, train[: args.num_prompts], args.data, cfg.draft_lengths, args.max_new_tokens,
+                              args.gen_batch)
+    train_rcsd(llm.engine.model, init, rows, args.out, cfg, resume=not args.no_resume)
+    print(f"wrote the {args.method} head to {args.out} (training.json, curves.png beside it)")
+
+
 # ------------------------------------------------------------------ plugins
 
 @subcommand

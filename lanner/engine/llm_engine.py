@@ -120,6 +120,9 @@ class LLMEngine:
 
     def _spec_tokens(self, req: Request, batch_size: int) -> int:
         p = req.params
+        if p.unverified_draft:  # data generation: drafts at any batch size
+            return min(p.unverified_draft, req.max_tokens - len(req.output_ids) - 1,
+                       self.max_model_len - req.num_tokens - 1)
         if self.proposer is None or batch_size > self.config.spec_max_batch or not p.speculative:
             return 0
         if p.has_penalties or p.logprobs is not None:  # both depend on each emitted token: verify one at a time
@@ -162,6 +165,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
+        if params.unverified_draft and not isinstance(self.proposer, (DraftHeadProposer, DraftModelProposer)):
+            raise RequestError("unverified_draft needs an engine with a draft (spec='draft')", "unverified_draft")
         if self.tokenizer is None and params.stop:
             raise RequestError("stop strings need a tokenizer; use stop_token_ids", "stop")
         req = Request(rid, prompt_ids, params, text, max_tokens, self.eos_token_ids)
@@ -218,7 +223,11 @@ class LLMEngine:
                 logits = self.runner.run(chunks, kind)
                 emitted, plain_rows, plain_reqs, row = {}, [], [], 0
                 for it in items:
-                    if it.draft:
+                    if it.draft and it.request.params.unverified_draft:  # accept all; the target adds one token
+                        k = len(it.draft)
+                        emitted[id(it)] = it.draft + [int(logits[row + k].argmax())]
+                        row += k + 1
+                    elif it.draft:
                         k = len(it.draft)
                         emitted[id(it)] = verify_chain(logits[row : row + k + 1], it.draft, it.draft_probs,
                                                        it.request.params, it.request.generator)
@@ -256,8 +265,10 @@ class LLMEngine:
                     req.num_computed += it.num_tokens + len(tokens) - 1
                     self.proposer.after_verify(req, len(it.draft), len(tokens) - 1, before)
                     n_out = 0
-                    for tok in tokens:
+                    for i, tok in enumerate(tokens):
                         n_out += 1
+                        if req.draft_sources is not None:
+                            req.draft_sources.append(int(i < len(it.draft)))
                         reason = self._accept_token(req, tok, None)
                         if reason:
                             break
@@ -266,6 +277,8 @@ class LLMEngine:
                 else:
                     req.num_computed += it.num_tokens
                     if it.samples:
+                        if req.draft_sources is not None:
+                            req.draft_sources.append(0)
                         reason = self._accept_token(req, *emitted[id(req)])
                 # name the verified full blocks before a finish frees them, so they stay reusable
                 self.block_manager.commit_full_blocks(req.block_table, req.block_hashes, req.all_ids,
@@ -361,4 +374,5 @@ class LLMEngine:
             token_ids=list(req.output_ids), finished=req.finished, finish_reason=req.finish_reason,
             logprobs=req.logprobs, metrics=req.metrics(), delta_text=delta_text, delta_token_ids=delta_ids,
             delta_logprobs=delta_lp, error=req.error,
+            draft_sources=list(req.draft_sources) if req.draft_sources is not None else None,
         )

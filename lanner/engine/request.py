@@ -31,6 +31,7 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict] | None = None
     error: str | None = None
+    draft_sources: list[int] | None = None  # unverified_draft requests: 1 where the draft wrote the token
 
 
 class Request:
@@ -55,6 +56,7 @@ class Request:
         self.spec_steps = 0  # verify steps
         self.spec_emitted = 0  # tokens emitted by verify steps (accepted drafts + 1 each)
         self.spec_accepted_at: list[int] = []  # [i]: verify steps whose draft token i+1 was accepted
+        self.draft_sources: list[int] | None = [] if params.unverified_draft else None
         self.generator = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

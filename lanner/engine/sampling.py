@@ -29,6 +29,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     speculative: bool = True  # per-request opt-out of speculative decoding
+    # RCSD data generation only: after each target token the draft writes this many tokens that are accepted
+    # WITHOUT verification (the output is not the target's). Greedy only; needs a draft. 0: off.
+    unverified_draft: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -62,6 +65,10 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             bad("logprobs", f"must be between 0 and 20, got {self.logprobs!r}")
+        if not (isinstance(self.unverified_draft, int) and 0 <= self.unverified_draft <= 8):
+            bad("unverified_draft", f"must be an integer in 0..8, got {self.unverified_draft!r}")
+        if self.unverified_draft and self.temperature != 0:
+            bad("unverified_draft", "needs greedy decoding (temperature 0)")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
 

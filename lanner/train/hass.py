@@ -75,25 +75,15 @@ def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch
 
 # ---------------------------------------------------------------- the TTT forward
 
-def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from: int, steps: int, decay: float):
-    """feats [T, 3h] (target, positions 0..T-1), ids [T], top_i/top_p [T, K] (target distribution of the token
-    after each position). Returns (total loss, per-step losses, per-step top-1 accuracy)."""
-    T = ids.shape[0]
-    n = T - 1  # head positions p = 0..T-2 take (f_p, x_{p+1}) and predict x_{p+2} ~ target distribution at p+1
+def ttt_forward(head: DraftHead, embed, feats, ids, steps: int):
+    """Yields, for TTT steps j = 0..steps-1, the head's draft-vocabulary logits [n, Vd] at every position
+    p = 0..n-1 (n = T-1): step j at p is the j-th chained proposal of a chain started at p - j, i.e. the
+    prediction of ids[p + 2] that inference makes j steps after the target's features at p - j."""
+    n = ids.shape[0] - 1
     pos = torch.arange(n)
     tok_emb = embed(ids[1:])
-    # target distribution at p+1, restricted to the draft vocabulary and renormalized
-    d_ids = t2d[top_i[1:].long()]  # [n, K] draft ids, -1 where the draft vocabulary lacks the token
-    best = d_ids[:, 0]  # the target's top-1 (-1 when outside the draft vocabulary: never matched)
-    w = top_p[1:].float() * (d_ids >= 0)
-    w_sum = w.sum(-1, keepdim=True)
-    valid = (w_sum[:, 0] > 0) & (pos >= loss_from - 2)  # only positions that predict response tokens
-    w = w / w_sum.clamp_min(1e-9)
-    d_ids = d_ids.clamp_min(0)
-
     hidden = head.fuse(feats[:n])
     keys, values, out = [], [], None
-    total, step_losses, step_acc = 0.0, [], []
     for j in range(steps):
         if j > 0:  # the head's own output at p-1 stands in for the target features at p
             hidden = torch.cat([hidden.new_zeros(1, hidden.shape[1]), out[:-1]], dim=0)
@@ -111,6 +101,25 @@ def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from:
             attn_mask=mask[None, None], scale=head.scale, enable_gqa=True)
         attn = attn[0].transpose(0, 1).reshape(n, -1)
         logits, out = head.post(hidden, attn)
+        yield logits
+
+
+def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from: int, steps: int, decay: float):
+    """feats [T, 3h] (target, positions 0..T-1), ids [T], top_i/top_p [T, K] (target distribution of the token
+    after each position). Returns (total loss, per-step losses, per-step top-1 accuracy)."""
+    T = ids.shape[0]
+    n = T - 1  # head positions p = 0..T-2 take (f_p, x_{p+1}) and predict x_{p+2} ~ target distribution at p+1
+    pos = torch.arange(n)
+    # target distribution at p+1, restricted to the draft vocabulary and renormalized
+    d_ids = t2d[top_i[1:].long()]  # [n, K] draft ids, -1 where the draft vocabulary lacks the token
+    best = d_ids[:, 0]  # the target's top-1 (-1 when outside the draft vocabulary: never matched)
+    w = top_p[1:].float() * (d_ids >= 0)
+    w_sum = w.sum(-1, keepdim=True)
+    valid = (w_sum[:, 0] > 0) & (pos >= loss_from - 2)  # only positions that predict response tokens
+    w = w / w_sum.clamp_min(1e-9)
+    d_ids = d_ids.clamp_min(0)
+    total, step_losses, step_acc = 0.0, [], []
+    for j, logits in enumerate(ttt_forward(head, embed, feats, ids, steps)):
         logp = logits.float().log_softmax(-1)
         ok = valid & (pos >= j)
         loss_rows = -(w * logp.gather(-1, d_ids)).sum(-1)
