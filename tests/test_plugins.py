@@ -93,6 +93,12 @@ def test_dispatch_covers_decode_and_matches_the_engine(example_installed, plain_
     text = llm.engine.metrics.render().decode()
     assert 'lanner_plugin_steps_total{kind="decode",plugin="example"}' in text
     assert 'lanner_plugin_verified_steps_total{kind="decode",plugin="example"} 3.0' in text
+    # with its logits head too
+    llm3 = LLM(dtype="float32", kv_cache_memory="0.25GiB", plugin="example", plugin_verify=2,
+               plugin_options={"example": {"logits": True}})
+    assert [o.token_ids for o in llm3.generate(PROMPTS, GREEDY)] == want
+    assert llm3.engine.plugins.counts[("example", "logits")] == llm3.engine.plugins.counts[("example", "decode")]
+    assert 'kind="logits",plugin="example"} 2.0' in llm3.engine.metrics.render().decode()  # verified twice
     # a batch above max_batch runs on the engine's own forward
     llm2 = LLM(dtype="float32", kv_cache_memory="0.25GiB", plugin="example",
                plugin_options={"example": {"max_batch": 2}})

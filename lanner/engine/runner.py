@@ -58,13 +58,18 @@ class ModelRunner:
         meta = build_attention_metadata(q_lens, ctx_lens, [c.block_table for c in chunks], self.block_size, dev)
         args = (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv_caches, meta,
                 self.capture_layers)
+        step = None
         if self.plugins is None:
             hidden, captured = self.model(*args)
         else:
             if kind is None:
                 kind = StepKind.PREFILL if any(len(c.tokens) > 1 for c in chunks) else StepKind.DECODE
-            hidden, captured = self.plugins.forward(Step(kind, t, len(chunks), self.role), self.model, *args)
+            step = Step(kind, t, len(chunks), self.role)
+            hidden, captured = self.plugins.forward(step, self.model, *args)
         self.features = torch.cat(captured, dim=-1) if captured else None
         if not rows:
             return hidden.new_empty(0, 0)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()
+        hidden = hidden[torch.tensor(rows, device=dev)]
+        if step is None:
+            return self.model.compute_logits(hidden).float()
+        return self.plugins.compute_logits(step, self.model, hidden).float()

@@ -110,6 +110,7 @@ class PluginRuntime:
         self.metrics, self.verify_steps = metrics, verify_steps
         self.verified: dict[tuple[str, str], int] = {}
         self.counts: dict[tuple[str, str], int] = {}  # (plugin or "none", kind) -> calls, also in /metrics
+        self.last: Plugin | None = None  # the plugin that ran the latest forward, for its logits
 
     @property
     def active(self) -> list[Plugin]:
@@ -122,6 +123,7 @@ class PluginRuntime:
 
     def forward(self, step: Step, module, *args):
         kind = step.kind.value
+        self.last = None
         for plugin in self.active:
             try:
                 if not plugin.covers(step):
@@ -139,32 +141,54 @@ class PluginRuntime:
                 self.verified[key] = self.verified.get(key, 0) + 1
                 self._verify(plugin, step, out, module(*args))
             self._count(plugin.name, kind)
+            self.last = plugin
             return out
         self._count("none", kind)
         return module(*args)
 
-    def _verify(self, plugin: Plugin, step: Step, got, want):
+    def compute_logits(self, step: Step, model, hidden):
+        """Logits of `hidden` rows by the plugin that ran this step's forward, when it has a logits head."""
+        plugin = self.last
+        if plugin is None or plugin.compute_logits is None or plugin.name in self.disabled:
+            return model.compute_logits(hidden)
+        try:
+            out = plugin.compute_logits(step, model, hidden)
+        except Exception as e:
+            self.disabled[plugin.name] = f"{type(e).__name__}: {e}"
+            log.exception("plugin %s failed computing logits; disabled, falling back", plugin.name)
+            if self.metrics is not None:
+                self.metrics.plugin_failures.labels(plugin.name, "logits").inc()
+            return model.compute_logits(hidden)
+        key = (plugin.name, "logits")
+        if self.verified.get(key, 0) < self.verify_steps:
+            self.verified[key] = self.verified.get(key, 0) + 1
+            self._verify(plugin, step, out, model.compute_logits(hidden), "logits")
+        self._count(plugin.name, "logits")
+        return out
+
+    def _verify(self, plugin: Plugin, step: Step, got, want, what: str | None = None):
+        what = what or step.kind.value
         tol = plugin.verify_tolerance
         got_t, want_t = _tensors(got), _tensors(want)
         if len(got_t) != len(want_t):
-            raise PluginVerifyError(f"plugin {plugin.name} ({step.kind.value}): returned {len(got_t)} tensors, "
+            raise PluginVerifyError(f"plugin {plugin.name} ({what}): returned {len(got_t)} tensors, "
                                     f"the engine's forward {len(want_t)}")
         for i, (g, w) in enumerate(zip(got_t, want_t)):
             if tol is None:
                 tol = 1e-4 if w.dtype == torch.float32 else 3e-2
             if g.shape != w.shape:
-                raise PluginVerifyError(f"plugin {plugin.name} ({step.kind.value}): output {i} has shape "
+                raise PluginVerifyError(f"plugin {plugin.name} ({what}): output {i} has shape "
                                         f"{tuple(g.shape)}, expected {tuple(w.shape)}")
             err = ((g.float() - w.float()).abs().max() / w.float().abs().max().clamp_min(1e-6)).item() \
                 if w.numel() else 0.0
             if not err <= tol:
                 if self.metrics is not None:
-                    self.metrics.plugin_verify_failures.labels(plugin.name, step.kind.value).inc()
-                raise PluginVerifyError(f"plugin {plugin.name} ({step.kind.value}, {step.num_tokens} tokens, batch "
+                    self.metrics.plugin_verify_failures.labels(plugin.name, what).inc()
+                raise PluginVerifyError(f"plugin {plugin.name} ({what}, {step.num_tokens} tokens, batch "
                                         f"{step.batch_size}): output {i} differs from the engine's forward by "
                                         f"{err:.3g} (relative max), tolerance {tol:g}")
         if self.metrics is not None:
-            self.metrics.plugin_verified.labels(plugin.name, step.kind.value).inc()
+            self.metrics.plugin_verified.labels(plugin.name, what).inc()
 
 
 def _tensors(out) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ never imports vendor code. Its four hooks, in the order of the engine's life:
 3. build(model, model_config, hardware): after weights load and before the KV cache is sized; whatever tensors
    the plugin keeps (reachable from its attributes, or CUDA allocations) are subtracted from the KV budget;
 4. covers(step) / forward(step, model, *args): per model call; steps a plugin does not cover run the engine's
-   own forward. `forward` takes exactly the arguments of the covered module's own forward and returns what it
+   own forward. A plugin may also define compute_logits(step, model, hidden) for the steps it ran. `forward` takes exactly the arguments of the covered module's own forward and returns what it
    returns: for the target and draft models (PREFILL, DECODE, VERIFY, and DRAFT / DRAFT_EXTEND of a draft
    model) that is LlamaModel.forward(input_ids, positions, kv_caches, meta, capture_layers) -> (hidden,
    captured); for an EAGLE-style draft head (DRAFT / DRAFT_EXTEND with `step.model == "draft_head"`),
@@ -91,6 +91,10 @@ class Plugin:
 
     def forward(self, step: Step, model, *args):
         raise NotImplementedError
+
+    # Optional: the logits head (a large share of the bytes a small model reads per step). Called with the rows
+    # that sample, for steps whose forward this plugin ran; return model.compute_logits(hidden)'s result.
+    compute_logits = None
 
 
 def _cpu_flags() -> frozenset:

@@ -14,12 +14,14 @@ class ExamplePlugin(Plugin):
     architectures = ("LlamaForCausalLM", "MistralForCausalLM", "llama", "mistral")  # HF and GGUF names
 
     def __init__(self, max_batch: int = 4, kinds=("decode",), build_mib: int = 0, require: str | None = None,
-                 fail_at: int | None = None, perturb: float = 0.0):
+                 fail_at: int | None = None, perturb: float = 0.0, logits: bool = False):
         self.max_batch, self.build_mib, self.require = int(max_batch), int(build_mib), require
         self.kinds = {StepKind(k) for k in kinds}
         self.fail_at, self.perturb = fail_at, float(perturb)
         self.calls = 0
         self.workspace = None
+        if logits:  # also serve the logits head of the steps it ran
+            self.compute_logits = self._logits
 
     def check(self, model_config, hardware):
         if self.require is not None and hardware.kind != self.require:
@@ -74,6 +76,12 @@ class ExamplePlugin(Plugin):
         if self.perturb:
             hidden = hidden + self.perturb
         return hidden, [captured[i] for i in capture_layers]
+
+
+    @staticmethod
+    def _logits(step, model, hidden):
+        weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        return hidden @ weight.t()
 
 
 def _rope(x, cos, sin):
