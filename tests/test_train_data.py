@@ -116,10 +116,13 @@ def test_eval_accept_cli(llm32, tmp_path):
     head = tmp_path / "head"
     random_draft_head(llm32.engine.model_config, draft_vocab_size=2048, seed=1).save(str(head))
     out = tmp_path / "ea.json"
-    assert main(["eval-accept", "--draft", str(head), "--datasets", "gsm8k", "--limit", "2", "--steps", "1,2",
+    assert main(["eval-accept", "--draft", f"{head},hass", "--datasets", "gsm8k", "--limit", "2", "--steps", "1,2",
                  "--max-new-tokens", "8", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert [(r["dataset"], r["steps"]) for r in result["rows"]] == [("gsm8k", 1), ("gsm8k", 2)]
+    assert [(r["draft"], r["dataset"], r["steps"]) for r in result["rows"]] == [
+        (str(head), "gsm8k", 1), (str(head), "gsm8k", 2), ("hass", "gsm8k", 1), ("hass", "gsm8k", 2)]
+    # one plain run serves both drafts
+    assert len({(r["dataset"], r["plain_tok_s"]) for r in result["rows"]}) == 1
     for row in result["rows"]:
         assert {"draft", "dataset", "steps", "tau", "tok_s", "plain_tok_s", "identical", "prompts"} <= row.keys()
         assert row["identical"] is True and row["tau"] >= 1 and row["prompts"] == 2

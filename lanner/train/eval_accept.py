@@ -31,7 +31,8 @@ def add_arguments(p):
     import argparse
 
     p.add_argument("--draft", default="default",
-                   help="draft head: 'default', 'hass', a folder, or 'ngram' for n-gram prompt lookup")
+                   help="draft head: 'default', 'hass', a folder, or 'ngram' for n-gram prompt lookup; several, "
+                        "comma-separated, are compared side by side (gains relative to the first)")
     p.add_argument("--datasets", default=None,
                    help=f"comma-separated, from {','.join(EVAL_SETS)} (default: all; only --prompts when given)")
     p.add_argument("--prompts", default=None, help='extra JSONL file of {"turns": [str, ...]} lines')
@@ -107,10 +108,11 @@ def _rate(tokens, seconds):
 
 
 def evaluate(llm_spec, llm_plain, datasets, steps: list[int], max_new_tokens: int = 128, limit: int | None = 20,
-             split_seed: int = 0, draft: str | None = None) -> list[dict]:
+             split_seed: int = 0, draft: str | None = None, plain_cache: dict | None = None) -> list[dict]:
     """llm_spec: a lanner.LLM with speculative decoding on (spec_max_batch >= 1); llm_plain: one without.
     datasets: eval-set names (see data.EVAL_SETS) or a {name: [{"id", "turns"}, ...]} dict. Returns one row
-    per (dataset, k). Leaves llm_spec's spec_tokens as it found it."""
+    per (dataset, k). Leaves llm_spec's spec_tokens as it found it. plain_cache: {dataset: plain measurement},
+    filled and reused, so several drafts are compared against one plain run."""
     from lanner.engine.sampling import SamplingParams
 
     if llm_spec.engine.proposer is None:
@@ -120,13 +122,16 @@ def evaluate(llm_spec, llm_plain, datasets, steps: list[int], max_new_tokens: in
     params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
     cfg = llm_spec.engine.config
     draft = draft or cfg.draft or cfg.spec
+    plain_cache = {} if plain_cache is None else plain_cache
     for llm in (llm_spec, llm_plain):  # first-call costs (allocator, lazy init) would land on the first prompt
         llm.generate(llm.tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}]),
                      SamplingParams(temperature=0, max_tokens=16))
     rows, k_before = [], cfg.spec_tokens
     try:
         for name, items in datasets.items():
-            plain = _measure(llm_plain, items, params, f"{name} plain")
+            if name not in plain_cache:
+                plain_cache[name] = _measure(llm_plain, items, params, f"{name} plain")
+            plain = plain_cache[name]
             plain_tok_s = _rate(plain["decode_tokens"], plain["decode_s"])
             for k in steps:
                 cfg.spec_tokens = k  # read every step, so one engine serves every k
@@ -149,11 +154,18 @@ def evaluate(llm_spec, llm_plain, datasets, steps: list[int], max_new_tokens: in
 
 
 def format_table(rows: list[dict]) -> str:
+    drafts = list(dict.fromkeys(r["draft"] for r in rows))
+    base = {(r["dataset"], r["steps"]): r["tau"] for r in rows if r["draft"] == drafts[0]}
+
+    def gain(r):
+        b = base.get((r["dataset"], r["steps"]))
+        return f"{r['tau'] / b - 1:+.0%}" if r["draft"] != drafts[0] and r["tau"] and b else ""
+
     table = report.markdown_table(
-        ["dataset", "k", "tau", "tok/s", "plain tok/s", "speedup", "identical"],
-        [[r["dataset"], r["steps"], report.fmt(r["tau"], 2), report.fmt(r["tok_s"]), report.fmt(r["plain_tok_s"]),
-          "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x", "yes" if r["identical"] else "NO"]
-         for r in rows])
+        ["draft", "dataset", "k", "tau", f"tau vs {drafts[0]}", "tok/s", "plain tok/s", "speedup", "identical"],
+        [[r["draft"], r["dataset"], r["steps"], report.fmt(r["tau"], 2), gain(r), report.fmt(r["tok_s"]),
+          report.fmt(r["plain_tok_s"]), "n/a" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+          "yes" if r["identical"] else "NO"] for r in rows])
     return table + "\n\n(tau = emitted tokens per verify step; tok/s = decode tok/s, prefill excluded)"
 
 
@@ -174,29 +186,37 @@ def run(args, engine_options: dict) -> dict:
         if args.prompts:
             name = os.path.splitext(os.path.basename(args.prompts))[0]
             datasets[name] = load_prompts_file(args.prompts)[: args.limit]
-        draft_path = None if args.draft == "ngram" else resolve_draft(args.draft)
+        drafts = [d.strip() for d in args.draft.split(",") if d.strip()]
+        paths = {d: None if d == "ngram" else resolve_draft(d) for d in drafts}
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")
+    if not drafts:
+        sys.exit("lanner: error: --draft: empty")
 
     json_path, png_path = report.output_paths(args.json, args.out_dir, "eval_accept")
-    spec = "ngram" if args.draft == "ngram" else "draft"
-    llm_spec = LLM(**{**engine_options, "spec": spec, "draft": draft_path, "spec_max_batch": 1})
     llm_plain = LLM(**{**engine_options, "spec": None, "draft": None})
-    config = llm_spec.engine.config
-    print(f"eval-accept: {llm_spec.engine.source.name} ({config.dtype}, {config.device}), draft {args.draft}, "
-          f"k {steps}, {', '.join(f'{n} x{len(v)}' for n, v in datasets.items())}", file=sys.stderr, flush=True)
-    rows = evaluate(llm_spec, llm_plain, datasets, steps, args.max_new_tokens, draft=args.draft)
-    source = llm_spec.engine.source
+    config, source = llm_plain.engine.config, llm_plain.engine.source
+    print(f"eval-accept: {source.name} ({config.dtype}, {config.device}), drafts {', '.join(drafts)}, k {steps}, "
+          f"{', '.join(f'{n} x{len(v)}' for n, v in datasets.items())}", file=sys.stderr, flush=True)
+    rows, plain_cache = [], {}
+    for d in drafts:
+        spec = "ngram" if d == "ngram" else "draft"
+        llm_spec = LLM(**{**engine_options, "spec": spec, "draft": paths[d], "spec_max_batch": 1})
+        rows += evaluate(llm_spec, llm_plain, datasets, steps, args.max_new_tokens, draft=d, plain_cache=plain_cache)
+        del llm_spec
+        gc.collect()
     result = {"eval": "accept", "model": source.name, "model_path": source.path, "draft": args.draft,
-              "draft_path": draft_path, "spec": spec, "steps": steps, "datasets": list(datasets),
+              "drafts": {d: paths[d] for d in drafts}, "steps": steps, "datasets": list(datasets),
               "limit": args.limit, "max_new_tokens": args.max_new_tokens, "split_seed": args.split_seed,
               "env": report.environment(config), "rows": rows}
-    del llm_spec, llm_plain
+    del llm_plain
     gc.collect()
     report.write_json(json_path, result)
-    report.line_chart(png_path, steps, {d: [r["tau"] or 0.0 for r in rows if r["dataset"] == d] for d in datasets},
-                      f"Acceptance length: draft {args.draft}, {source.name}", "draft tokens per step (k)",
-                      "tau (tokens per verify step)")
+    series = {(f"{d} / {name}" if len(drafts) > 1 else name):
+              [r["tau"] or 0.0 for r in rows if r["dataset"] == name and r["draft"] == d]
+              for d in drafts for name in datasets}
+    report.line_chart(png_path, steps, series, f"Acceptance length: {', '.join(drafts)}, {source.name}",
+                      "draft tokens per step (k)", "tau (tokens per verify step)")
     print(format_table(rows))
     print(f"\nwrote {json_path} and {png_path}")
     return result
