@@ -1,0 +1,917 @@
+// lowlat: Lanner's reference CPU kernel plugin. One call runs the whole Llama-family forward (embedding, all
+// decoder layers over the paged KV cache, final norm, captured layer outputs) for small batches: decode, verify
+// of k drafts, small prefill chunks. At these sizes a step streams every weight once and does little arithmetic
+// per byte, so the design goal is to read the weights at memory bandwidth with few synchronisations:
+//
+//  * one OpenMP parallel region for the whole forward; threads split each GEMV over output rows and fuse the
+//    epilogue that needs only their rows (bias, q/k norm, RoPE, the KV-cache write, residual adds, SiLU*up),
+//    so a layer costs 5 barriers;
+//  * GEMV: the weights as the model holds them ([N, K] row-major, no repacked copy), streamed front to back:
+//    one row at a time against 1-3 activation rows (memory-bound: one sequential stream per core is what the
+//    prefetcher follows best), row pairs with an L2 software prefetch from 4 rows on (the dot products become
+//    the bottleneck); float32 accumulation; bf16 weights use `vdpbf16ps` when the CPU has AVX512_BF16
+//    (activations packed to bf16 once per GEMV input), else a bf16 -> fp32 shift + FMA; float32 models an FMA
+//    GEMV;
+//  * bf16 models round to bf16 exactly where the PyTorch module rounds (GEMV outputs, norms, RoPE terms, SiLU,
+//    residual adds) and attention follows PyTorch's CPU flash attention, so the plugin tracks the engine's own
+//    forward bit for bit in nearly all elements; float32 models are float32 throughout.
+// Only the headers it needs (Tensor with its methods, two factory ops, the pybind11 casters): torch/extension.h
+// would pull in every operator and double the one-time compile.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#ifndef __AVX512F__
+#error "lowlat needs AVX-512F (compile with -march=native on an AVX-512 CPU)"
+#endif
+
+namespace lowlat {
+
+namespace torch {  // the few names used below, from ATen
+using at::Tensor;
+using at::TensorOptions;
+using at::empty;
+using at::from_blob;
+using at::zeros;
+using at::kBFloat16;
+constexpr auto kFloat32 = at::kFloat;
+using at::kLong;
+constexpr auto kUInt8 = at::kByte;
+}  // namespace torch
+
+using bf16_t = uint16_t;
+static constexpr int64_t kMaxRows = 256;  // rows per forward (stack arrays in attention)
+
+// ------------------------------------------------------------------------------------------------ scalars
+static inline float bf2f(bf16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline bf16_t f2bf(float f) {  // round to nearest even, like torch's float -> bfloat16
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16_t(u >> 16);
+}
+static inline float rbf(float f) { return bf2f(f2bf(f)); }
+
+template <typename T> static inline float ldf(const T* p, int64_t i);
+template <> inline float ldf<float>(const float* p, int64_t i) { return p[i]; }
+template <> inline float ldf<bf16_t>(const bf16_t* p, int64_t i) { return bf2f(p[i]); }
+template <typename T> static inline void stf(T* p, int64_t i, float v);
+template <> inline void stf<float>(float* p, int64_t i, float v) { p[i] = v; }
+template <> inline void stf<bf16_t>(bf16_t* p, int64_t i, float v) { p[i] = f2bf(v); }
+// round like the model dtype: bf16 models keep bf16-exact values in float buffers
+template <typename T> static inline float rnd(float v) { return std::is_same<T, bf16_t>::value ? rbf(v) : v; }
+
+// ------------------------------------------------------------------------------------------------ vectors
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const bf16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m512 load16m(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 load16m(const bf16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// round float32 lanes to the nearest bf16 value (ties to even), kept as float32
+static inline __m512 rbf16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+
+// exp(x) for float32 lanes: Cephes-style range reduction + degree-6 polynomial, ~1-2 ulp; 2^n by scalef
+static inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.72f)), _mm512_set1_ps(-104.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// exp with ~20 ulp (ATen's Vectorized<float>::exp_u20), which PyTorch's CPU flash attention uses for float32
+// softmax; at float32 the choice is invisible next to the 1e-4 verify tolerance
+static inline __m512 exp512_u20(__m512 x) {
+  const __m512 ln_flt_min = _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50));
+  const __m512 ln_flt_max = _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, ln_flt_min, _CMP_LT_OS);
+  __m512 src = _mm512_max_ps(_mm512_min_ps(x, ln_flt_max), ln_flt_min);
+  __m512 fx = _mm512_fmadd_ps(src, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)), _mm512_set1_ps(0.5f));
+  fx = _mm512_cvtepi32_ps(_mm512_cvt_roundps_epi32(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_castsi512_ps(_mm512_set1_epi32(0x3f317218)), src);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.f));
+  __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_sub_ps(fx, _mm512_set1_ps(1.f))), _mm512_set1_epi32(127));
+  __m512 pow2 = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  pow2 = _mm512_mask_blend_ps(tiny, pow2, _mm512_setzero_ps());
+  return _mm512_mul_ps(_mm512_mul_ps(p, pow2), _mm512_set1_ps(2.f));
+}
+
+// PyTorch's fexp_u20 (Malossi et al., "Fast Exponential Computation on SIMD Architectures": 2^x with a cubic
+// correction of the mantissa), which its CPU flash attention applies to bf16 inputs: relative error ~1e-5,
+// invisible after the bf16 rounding of the exponentials except where it decides the rounding, so it is
+// reproduced exactly here
+static inline __m512 exp512_fast(__m512 x) {
+  const __mmask16 lo = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50)), _CMP_LT_OS);
+  const __mmask16 hi = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218)), _CMP_GT_OS);
+  __m512 src = _mm512_mul_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b)));
+  const __m512 frac = _mm512_sub_ps(src, _mm512_floor_ps(src));
+  __m512 r = _mm512_fmadd_ps(frac, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
+  r = _mm512_fmadd_ps(frac, r, _mm512_set1_ps(0.30354260500649682f));
+  r = _mm512_fmadd_ps(frac, r, _mm512_set1_ps(0.00010703434948458272f));
+  src = _mm512_sub_ps(src, r);
+  const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), src, _mm512_set1_ps(8388608.0f * 127.f));
+  __m512i v = _mm512_cvttps_epi32(t);
+  v = _mm512_mask_mov_epi32(v, lo, _mm512_setzero_si512());
+  v = _mm512_mask_mov_epi32(v, hi, _mm512_set1_epi32(0x7F800000));
+  return _mm512_castsi512_ps(v);
+}
+
+// sum of squares in 16 float32 lanes, then across lanes: close to PyTorch's vectorized mean of x^2 in
+// F.rms_norm (bf16 results agree in all but ~1e-6 of elements; a sequential sum disagrees in ~1e-4)
+static inline float sumsq(const float* x, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  if (i < n) {
+    const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << (n - i)) - 1), x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+static inline void split(int64_t n, int64_t unit, int tid, int nt, int64_t& a, int64_t& b) {
+  int64_t units = (n + unit - 1) / unit, per = units / nt, rem = units % nt;
+  int64_t ua = tid * per + std::min<int64_t>(tid, rem), ub = ua + per + (tid < rem ? 1 : 0);
+  a = std::min(n, ua * unit);
+  b = std::min(n, ub * unit);
+}
+
+// ------------------------------------------------------------------------------------------------ GEMV
+// out[m * ldo + r] = sum_k X[m, k] * W[r * K + k] for R weight rows and MB activation rows, CH independent
+// accumulator chains per (row, activation row) to hide the FMA / dot-product latency. Three input kinds: float W
+// x float X (float32 models), bf16 W x float X (AVX512F: bf16 -> fp32 by a shift, then FMA), bf16 W x bf16 X
+// (AVX512_BF16 dot products, 32 products per instruction).
+
+struct KF32 {  // float weights, float activations
+  using W = float;
+  using X = float;
+  static constexpr int kStep = 16;
+  static inline __m512 wload(const float* w) { return _mm512_loadu_ps(w); }
+  static inline void macw(__m512& acc, __m512 w, const float* x) { acc = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
+  static inline void mac_tail(__m512& acc, const float* w, const float* x, int64_t n) {
+    const __mmask16 m = (__mmask16)((1u << n) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w), _mm512_maskz_loadu_ps(m, x), acc);
+  }
+};
+struct KCvt {  // bf16 weights, float activations
+  using W = bf16_t;
+  using X = float;
+  static constexpr int kStep = 16;
+  static inline __m512 wload(const bf16_t* w) { return load16(w); }
+  static inline void macw(__m512& acc, __m512 w, const float* x) { acc = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
+  static inline void mac_tail(__m512& acc, const bf16_t* w, const float* x, int64_t n) {
+    const __mmask16 m = (__mmask16)((1u << n) - 1);
+    acc = _mm512_fmadd_ps(load16m(w, m), _mm512_maskz_loadu_ps(m, x), acc);
+  }
+};
+#ifdef __AVX512BF16__
+static constexpr bool kHaveDot = true;
+struct KDot {  // bf16 weights, bf16 activations, vdpbf16ps
+  using W = bf16_t;
+  using X = bf16_t;
+  static constexpr int kStep = 32;
+  static inline __m512i wload(const bf16_t* w) { return _mm512_loadu_si512((const void*)w); }
+  static inline void macw(__m512& acc, __m512i w, const bf16_t* x) {
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512((const void*)x));
+  }
+  static inline void mac_tail(__m512& acc, const bf16_t* w, const bf16_t* x, int64_t n) {
+    const __mmask32 m = (__mmask32)((1ull << n) - 1);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, w), (__m512bh)_mm512_maskz_loadu_epi16(m, x));
+  }
+};
+#else
+static constexpr bool kHaveDot = false;
+#endif
+
+// software prefetch of the weight stream into L2, this many bytes ahead, when a row meets >= kPrefetchRows
+// activation rows: the dot products then slow the stream enough that the hardware prefetcher falls behind
+// (full decoder forward, one core: 4 rows 14.3 -> 11.5 ms, 6 rows 21.5 -> 14.2 ms, 9 rows 28 -> 20 ms); at 1-2
+// rows the stream is already at memory speed and the extra instructions cost 10-25%. Settable for benchmarks
+// through the module's _set_prefetch (0: off).
+static int64_t g_prefetch = 12288;
+static constexpr int kPrefetchRows = 3;
+template <typename Kn, int R, int MB, int CH>
+static inline void row_kernel(const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx, float* out,
+                              int64_t ldo) {
+  constexpr int S = Kn::kStep;
+  __m512 acc[R][MB][CH];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MB; m++)
+      for (int c = 0; c < CH; c++) acc[r][m][c] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + S * CH <= K; k += S * CH) {
+    if (MB >= kPrefetchRows && g_prefetch)
+      for (int c = 0; c < CH; c++)
+        for (int r = 0; r < R; r++)
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + c * S) + g_prefetch, _MM_HINT_T1);
+    for (int c = 0; c < CH; c++) {
+      decltype(Kn::wload(w)) wv[R];
+      for (int r = 0; r < R; r++) wv[r] = Kn::wload(w + r * K + k + c * S);
+      for (int m = 0; m < MB; m++)
+        for (int r = 0; r < R; r++) Kn::macw(acc[r][m][c], wv[r], X + m * ldx + k + c * S);
+    }
+  }
+  for (; k + S <= K; k += S) {
+    for (int r = 0; r < R; r++) {
+      const auto wv = Kn::wload(w + r * K + k);
+      for (int m = 0; m < MB; m++) Kn::macw(acc[r][m][0], wv, X + m * ldx + k);
+    }
+  }
+  if (k < K)
+    for (int r = 0; r < R; r++)
+      for (int m = 0; m < MB; m++) Kn::mac_tail(acc[r][m][0], w + r * K + k, X + m * ldx + k, K - k);
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MB; m++) {
+      __m512 a = acc[r][m][0];
+      for (int c = 1; c < CH; c++) a = _mm512_add_ps(a, acc[r][m][c]);
+      out[m * ldo + r] = _mm512_reduce_add_ps(a);
+    }
+}
+
+// One weight row against mb (1..8) activation rows, for 1-3 activation rows: the row is streamed with 4 / 3
+// accumulator chains per activation row (fewer chains leave the dot products latency-bound).
+template <typename Kn>
+static inline void row_any(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
+                           float* out, int64_t ldo) {
+  switch (mb) {
+    case 1: row_kernel<Kn, 1, 1, 4>(w, K, X, ldx, out, ldo); break;
+    case 2: row_kernel<Kn, 1, 2, 4>(w, K, X, ldx, out, ldo); break;
+    case 3: row_kernel<Kn, 1, 3, 3>(w, K, X, ldx, out, ldo); break;
+    case 4: row_kernel<Kn, 1, 4, 2>(w, K, X, ldx, out, ldo); break;
+    case 5: row_kernel<Kn, 1, 5, 2>(w, K, X, ldx, out, ldo); break;
+    case 6: row_kernel<Kn, 1, 6, 2>(w, K, X, ldx, out, ldo); break;
+    case 7: row_kernel<Kn, 1, 7, 2>(w, K, X, ldx, out, ldo); break;
+    default: row_kernel<Kn, 1, 8, 2>(w, K, X, ldx, out, ldo); break;
+  }
+}
+
+// Two weight rows against mb (1..6) activation rows, for 4 or more activation rows: each activation load then
+// serves two dot products. (At 1-2 activation rows two interleaved streams cost 25-50% against one sequential
+// stream; from 4 rows on, with the L2 prefetch, the pair wins: full forward on one core, bf16, 9 / 16 / 32
+// rows: 20.6 -> 18.0, 38.2 -> 29.7, 82.7 -> 56.9 ms.)
+template <typename Kn>
+static inline void row2_any(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
+                            float* out, int64_t ldo) {
+  switch (mb) {
+    case 1: row_kernel<Kn, 2, 1, 2>(w, K, X, ldx, out, ldo); break;
+    case 2: row_kernel<Kn, 2, 2, 2>(w, K, X, ldx, out, ldo); break;
+    case 3: row_kernel<Kn, 2, 3, 2>(w, K, X, ldx, out, ldo); break;
+    case 4: row_kernel<Kn, 2, 4, 1>(w, K, X, ldx, out, ldo); break;
+    case 5: row_kernel<Kn, 2, 5, 1>(w, K, X, ldx, out, ldo); break;
+    default: row_kernel<Kn, 2, 6, 1>(w, K, X, ldx, out, ldo); break;
+  }
+}
+
+// rows [n0, n1) of W [N, K]; X [M, ldx]; out [M, ldo] (column n of out = row n of W). The activation rows go in
+// balanced blocks (<= 8 rows against one weight row, <= 6 against a pair); the weight rows stay in L1 between
+// the blocks.
+template <typename Kn>
+static void gemv_rows(const typename Kn::W* W, int64_t K, int64_t n0, int64_t n1, const typename Kn::X* X,
+                      int64_t ldx, int M, float* out, int64_t ldo) {
+  int64_t n = n0;
+  if (M >= 4) {
+    const int nb2 = (M + 5) / 6;
+    for (; n + 2 <= n1; n += 2)
+      for (int i = 0, m0 = 0; i < nb2; i++) {
+        const int mb = M / nb2 + (i < M % nb2 ? 1 : 0);
+        row2_any<Kn>(mb, W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
+        m0 += mb;
+      }
+  }
+  const int nblk = (M + 7) / 8;
+  for (; n < n1; n++)
+    for (int i = 0, m0 = 0; i < nblk; i++) {
+      const int mb = M / nblk + (i < M % nblk ? 1 : 0);
+      row_any<Kn>(mb, W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
+      m0 += mb;
+    }
+}
+
+// the kernel kind for a (weight, activation) storage pair
+template <typename WT, typename XT> struct KindOf;
+template <> struct KindOf<float, float> { using type = KF32; };
+template <> struct KindOf<bf16_t, float> { using type = KCvt; };
+#ifdef __AVX512BF16__
+template <> struct KindOf<bf16_t, bf16_t> { using type = KDot; };
+#endif
+template <typename WT, typename XT>
+static inline void gemv(const WT* W, int64_t K, int64_t n0, int64_t n1, const XT* X, int64_t ldx, int M, float* out,
+                        int64_t ldo) {
+  gemv_rows<typename KindOf<WT, XT>::type>(W, K, n0, n1, X, ldx, M, out, ldo);
+}
+
+// ------------------------------------------------------------------------------------------------ model
+template <typename T>
+static const T* ptr(const torch::Tensor& t) {
+  return t.defined() && t.numel() ? reinterpret_cast<const T*>(t.data_ptr()) : nullptr;
+}
+
+struct Model {
+  // geometry
+  int64_t hidden, inter, L, H, Hkv, D, vocab, max_pos, max_rows;
+  double eps, scale;
+  bool bf16, dot, has_bias, qk_norm;
+  int nthreads;
+  // debugging: snapshots of one layer's intermediates (attention out, x after attention, SiLU*up, x after MLP)
+  int64_t dbg_layer = -1;
+  std::vector<torch::Tensor> dbg;
+  // weights: the model's own tensors (no copies)
+  torch::Tensor embed, final_norm, cos, sin;
+  std::vector<torch::Tensor> in_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, post_norm, gu_w, down_w;
+  torch::Tensor scratch;  // activations for max_rows rows, exposed so the plugin can account for it
+  // scratch carve-up (bytes)
+  int64_t off_x, off_xin, xin_stride, off_qkv, off_q, off_ain, off_tmp, off_gu, off_act;
+
+  Model(int64_t hidden_, int64_t inter_, int64_t L_, int64_t H_, int64_t Hkv_, int64_t D_, double eps_, double scale_,
+        bool bf16_, bool dot_, int64_t nthreads_, int64_t max_rows_, torch::Tensor embed_,
+        std::vector<torch::Tensor> in_norm_, std::vector<torch::Tensor> qkv_w_, std::vector<torch::Tensor> qkv_b_,
+        std::vector<torch::Tensor> q_norm_, std::vector<torch::Tensor> k_norm_, std::vector<torch::Tensor> o_w_,
+        std::vector<torch::Tensor> post_norm_, std::vector<torch::Tensor> gu_w_, std::vector<torch::Tensor> down_w_,
+        torch::Tensor final_norm_, torch::Tensor cos_, torch::Tensor sin_)
+      : hidden(hidden_), inter(inter_), L(L_), H(H_), Hkv(Hkv_), D(D_), max_rows(max_rows_), eps(eps_),
+        scale(scale_), bf16(bf16_), dot(dot_ && bf16_ && kHaveDot), nthreads(int(nthreads_)), embed(embed_),
+        final_norm(final_norm_), cos(cos_), sin(sin_), in_norm(in_norm_), qkv_w(qkv_w_), qkv_b(qkv_b_),
+        q_norm(q_norm_), k_norm(k_norm_), o_w(o_w_), post_norm(post_norm_), gu_w(gu_w_), down_w(down_w_) {
+    const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
+    TORCH_CHECK(D % 16 == 0 && D % 2 == 0, "lowlat: head_dim must be a multiple of 16, got ", D);
+    TORCH_CHECK(H % Hkv == 0, "lowlat: num_heads must be a multiple of num_kv_heads");
+    TORCH_CHECK(nthreads >= 1 && max_rows >= 1 && max_rows <= kMaxRows,
+                "lowlat: threads must be >= 1 and max_rows in 1..", kMaxRows);
+    TORCH_CHECK(D <= 512, "lowlat: head_dim must be <= 512, got ", D);
+    vocab = embed.size(0);
+    max_pos = cos.size(0);
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+                    sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
+                "lowlat: rotary tables must be contiguous float32 [max_pos, head_dim]");
+    auto chk = [&](const torch::Tensor& t, std::vector<int64_t> shape, const char* what) {
+      TORCH_CHECK(t.scalar_type() == wdt && t.is_contiguous() && t.device().is_cpu() && t.sizes() == shape,
+                  "lowlat: ", what, " must be a contiguous CPU ", (bf16 ? "bfloat16" : "float32"), " tensor of shape ",
+                  c10::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes());
+    };
+    chk(embed, {vocab, hidden}, "embed_tokens.weight");
+    chk(final_norm, {hidden}, "norm.weight");
+    has_bias = !qkv_b.empty();
+    qk_norm = !q_norm.empty();
+    const int64_t nqkv = (H + 2 * Hkv) * D;
+    TORCH_CHECK((int64_t)in_norm.size() == L && (int64_t)qkv_w.size() == L && (int64_t)o_w.size() == L &&
+                    (int64_t)post_norm.size() == L && (int64_t)gu_w.size() == L && (int64_t)down_w.size() == L &&
+                    (!has_bias || (int64_t)qkv_b.size() == L) &&
+                    (!qk_norm || ((int64_t)q_norm.size() == L && (int64_t)k_norm.size() == L)),
+                "lowlat: one weight of each kind per layer expected");
+    for (int64_t l = 0; l < L; l++) {
+      chk(in_norm[l], {hidden}, "input_layernorm.weight");
+      chk(qkv_w[l], {nqkv, hidden}, "qkv_proj.weight");
+      if (has_bias) chk(qkv_b[l], {nqkv}, "qkv_proj.bias");
+      if (qk_norm) { chk(q_norm[l], {D}, "q_norm.weight"); chk(k_norm[l], {D}, "k_norm.weight"); }
+      chk(o_w[l], {hidden, H * D}, "o_proj.weight");
+      chk(post_norm[l], {hidden}, "post_attention_layernorm.weight");
+      chk(gu_w[l], {2 * inter, hidden}, "gate_up_proj.weight");
+      chk(down_w[l], {hidden, inter}, "down_proj.weight");
+    }
+    // scratch: x [T, hidden] f32 | xin[nthreads] [T, hidden] X | qkv [T, nqkv] f32 | q [T, H*D] f32 |
+    //          ain [T, H*D] X | tmp [T, hidden] f32 | gu [T, 2*inter] f32 | act [T, inter] X
+    const int64_t T = max_rows, xs = dot ? 2 : 4;
+    auto al = [](int64_t b) { return (b + 63) / 64 * 64; };
+    int64_t o = 0;
+    off_x = o; o += al(T * hidden * 4);
+    off_xin = o; xin_stride = al(T * hidden * xs); o += nthreads * xin_stride;
+    off_qkv = o; o += al(T * nqkv * 4);
+    off_q = o; o += al(T * H * D * 4);
+    off_ain = o; o += al(T * H * D * xs);
+    off_tmp = o; o += al(T * hidden * 4);
+    off_gu = o; o += al(T * 2 * inter * 4);
+    off_act = o; o += al(T * inter * xs);
+    scratch = torch::zeros({o + 64}, torch::kUInt8);
+  }
+
+  template <typename X> X* buf(int64_t off) const {
+    auto base = reinterpret_cast<uintptr_t>(scratch.data_ptr());
+    return reinterpret_cast<X*>((base + 63) / 64 * 64 + off);
+  }
+
+  // rms-normalize `rows` rows of x (float) with weight w into dst (packed GEMV input or model-dtype output):
+  // the module computes weight * rms_norm(x.float()).to(dtype) with the product in the model dtype
+  template <typename WT, typename DT>
+  void rmsnorm(const float* x, const WT* w, DT* dst, int64_t t0, int64_t t1) const {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* xr = x + t * hidden;
+      const float ss = sumsq(xr, hidden);
+      const float r = 1.0f / std::sqrt(ss / float(hidden) + float(eps));
+      for (int64_t i = 0; i < hidden; i++) stf<DT>(dst, t * hidden + i, rnd<WT>(ldf(w, i) * rnd<WT>(xr[i] * r)));
+    }
+  }
+
+  // out = silu(gate) * up over n elements: gate and up are raw GEMV outputs (float); like the module, bf16 models
+  // round them, the SiLU and the product to bf16
+  template <typename WT, typename XT>
+  static void silu_mul(const float* g, const float* u, XT* out, int64_t n) {
+    constexpr bool kBf = std::is_same<WT, bf16_t>::value;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
+      if (kBf) { gv = rbf16(gv); uv = rbf16(uv); }
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      __m512 sg = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+      sg = kBf ? rbf16(_mm512_mul_ps(rbf16(sg), uv)) : _mm512_mul_ps(sg, uv);
+      float r16[16];
+      _mm512_storeu_ps(r16, sg);
+      for (int e = 0; e < 16; e++) stf<XT>(out, i + e, r16[e]);
+    }
+    for (; i < n; i++) {
+      const float gv = rnd<WT>(g[i]);
+      stf<XT>(out, i, rnd<WT>(rnd<WT>(gv / (1.f + std::exp(-gv))) * rnd<WT>(u[i])));
+    }
+  }
+
+  // test hooks: the elementwise pieces on their own (float32 in, model dtype out)
+  torch::Tensor test_silu_mul(torch::Tensor g, torch::Tensor u) const {
+    auto gc = g.to(torch::kFloat32).contiguous(), uc = u.to(torch::kFloat32).contiguous();
+    auto out = torch::empty({gc.numel()}, torch::kFloat32);
+    if (bf16) silu_mul<bf16_t, float>(gc.data_ptr<float>(), uc.data_ptr<float>(), out.data_ptr<float>(), gc.numel());
+    else silu_mul<float, float>(gc.data_ptr<float>(), uc.data_ptr<float>(), out.data_ptr<float>(), gc.numel());
+    return out.to(bf16 ? torch::kBFloat16 : torch::kFloat32).view(g.sizes());
+  }
+  torch::Tensor test_rmsnorm(torch::Tensor x, torch::Tensor w) const {
+    auto xc = x.to(torch::kFloat32).contiguous().view({-1, hidden});
+    auto wc = w.contiguous();
+    auto out = torch::empty({xc.size(0), hidden}, torch::kFloat32);
+    if (bf16) rmsnorm<bf16_t, float>(xc.data_ptr<float>(), reinterpret_cast<const bf16_t*>(wc.data_ptr()),
+                                     out.data_ptr<float>(), 0, xc.size(0));
+    else rmsnorm<float, float>(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), 0, xc.size(0));
+    return out.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
+  }
+
+  // one (sequence, q-head) attention item: rows t0..t0+nq-1 of q at positions pos[t] over keys 0..ctx-1.
+  // The arithmetic follows PyTorch's CPU flash attention (what the engine's SDPA runs), so that bf16 results
+  // agree bit for bit in nearly all elements: keys in blocks of 512 with an online softmax (running max,
+  // rescaled sum and output); fexp_u20 (bf16) / exp_u20 (float32) on the 16-wide part of a block and std::exp
+  // on its tail, where the block length is that of the padded batch (kv_len = max ctx over the batch); the sum
+  // over float32 exponentials; bf16 models round the exponentials to bf16 for P @ V; output times 1 / sum.
+  template <typename WT, typename XT>
+  void attend(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
+              const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h, XT* ain,
+              std::vector<float>& S, std::vector<float>& O) const {
+    constexpr int64_t kBlock = 512;
+    constexpr bool kBf = std::is_same<WT, bf16_t>::value;
+    const int64_t g = h / (H / Hkv), ldq = H * D, nv = D / 16;
+    if ((int64_t)S.size() < nq * kBlock) S.resize(nq * kBlock);
+    if ((int64_t)O.size() < nq * D) O.resize(nq * D);
+    const float sc = float(scale);
+    int64_t lim[kMaxRows];
+    float mx[kMaxRows], sum[kMaxRows];
+    int64_t maxlim = 0;
+    for (int64_t i = 0; i < nq; i++) {
+      lim[i] = std::min(pos[t0 + i] + 1, ctx);
+      maxlim = std::max(maxlim, lim[i]);
+      mx[i] = -INFINITY;
+      sum[i] = 0.f;
+    }
+    std::fill(O.begin(), O.begin() + nq * D, 0.f);
+    for (int64_t n0 = 0; n0 < maxlim; n0 += kBlock) {
+      const int64_t n1 = std::min(n0 + kBlock, maxlim);
+      const int64_t vec_end = n0 + (std::min(kBlock, kv_len - n0) / 16) * 16;  // exp_u20 below, std::exp above
+      // scores of this block: S[i][j - n0]
+      for (int64_t j = n0; j < n1; j++) {
+        const WT* kp = kc + ((bt[j / bs] * bs + j % bs) * Hkv + g) * D;
+        __m512 kv[8];
+        for (int64_t v = 0; v < nv && v < 8; v++) kv[v] = load16(kp + v * 16);
+        for (int64_t i = 0; i < nq; i++) {
+          if (j >= lim[i]) continue;
+          const float* qi = q + (t0 + i) * ldq + h * D;
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t v = 0; v < nv; v++)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + v * 16), v < 8 ? kv[v] : load16(kp + v * 16), acc);
+          S[i * kBlock + j - n0] = _mm512_reduce_add_ps(acc) * sc;
+        }
+      }
+      // online softmax update per row
+      for (int64_t i = 0; i < nq; i++) {
+        const int64_t n = std::min(lim[i], n1) - n0;  // valid keys of row i in this block
+        if (n <= 0) continue;
+        float* srow = S.data() + i * kBlock;
+        float m = mx[i];
+        for (int64_t j = 0; j < n; j++) m = std::max(m, srow[j]);
+        const __m512 mv = _mm512_set1_ps(m);
+        const int64_t nvec = std::max<int64_t>(0, std::min(n, vec_end - n0)) / 16 * 16;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nvec; j += 16) {
+          const __m512 xm = _mm512_sub_ps(_mm512_loadu_ps(srow + j), mv);
+          __m512 e = kBf ? exp512_fast(xm) : exp512_u20(xm);
+          acc = _mm512_add_ps(acc, e);
+          if (kBf) e = rbf16(e);
+          _mm512_storeu_ps(srow + j, e);
+        }
+        float bsum = _mm512_reduce_add_ps(acc);
+        for (int64_t j = nvec; j < n; j++) {
+          const float e = std::exp(srow[j] - m);
+          bsum += e;
+          srow[j] = kBf ? rbf(e) : e;
+        }
+        const float corr = std::exp(mx[i] - m);  // exp(-inf) = 0 on the first block
+        sum[i] = bsum + corr * sum[i];
+        mx[i] = m;
+        if (n0 > 0) {
+          float* o = O.data() + i * D;
+          for (int64_t d = 0; d < D; d++) o[d] *= corr;
+        }
+      }
+      // P @ V for this block
+      for (int64_t j = n0; j < n1; j++) {
+        const WT* vp = vc + ((bt[j / bs] * bs + j % bs) * Hkv + g) * D;
+        __m512 vv[8];
+        for (int64_t v = 0; v < nv && v < 8; v++) vv[v] = load16(vp + v * 16);
+        for (int64_t i = 0; i < nq; i++) {
+          if (j >= lim[i]) continue;
+          const __m512 p = _mm512_set1_ps(S[i * kBlock + j - n0]);
+          float* o = O.data() + i * D;
+          for (int64_t v = 0; v < nv; v++)
+            _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, v < 8 ? vv[v] : load16(vp + v * 16),
+                                                         _mm512_loadu_ps(o + v * 16)));
+        }
+      }
+    }
+    for (int64_t i = 0; i < nq; i++) {
+      const float inv = 1.0f / sum[i];
+      for (int64_t d = 0; d < D; d++) stf<XT>(ain, (t0 + i) * ldq + h * D + d, rnd<WT>(O[i * D + d] * inv));
+    }
+  }
+
+  template <typename X>
+  void snap(const X* p, int64_t n, int tid) {
+    if (tid == 0) {
+      auto t = torch::empty({n}, torch::kFloat32);
+      for (int64_t i = 0; i < n; i++) t.data_ptr<float>()[i] = ldf(p, i);
+      dbg.push_back(t);
+    }
+#pragma omp barrier
+  }
+
+  template <typename WT, typename XT>
+  void run(const int64_t* ids, const int64_t* pos, int64_t T, const std::vector<int64_t>& q_lens,
+           const std::vector<int64_t>& ctx_lens, const std::vector<std::vector<int64_t>>& bts, int64_t bs,
+           const std::vector<WT*>& kcs, const std::vector<WT*>& vcs, const std::vector<int64_t>& slots,
+           const std::vector<int64_t>& row0, const std::vector<WT*>& cap_at, WT* out) {
+    const int64_t B = (int64_t)q_lens.size(), nqkv = (H + 2 * Hkv) * D, half = D / 2;
+    const int64_t kv_len = *std::max_element(ctx_lens.begin(), ctx_lens.end());
+    float* x = buf<float>(off_x);
+    float* qkv = buf<float>(off_qkv);
+    float* q = buf<float>(off_q);
+    XT* ain = buf<XT>(off_ain);
+    float* tmp = buf<float>(off_tmp);
+    float* gu = buf<float>(off_gu);
+    XT* act = buf<XT>(off_act);
+    const WT* emb = reinterpret_cast<const WT*>(embed.data_ptr());
+    const float* cosT = cos.data_ptr<float>();
+    const float* sinT = sin.data_ptr<float>();
+    const int M = int(T);
+
+#pragma omp parallel num_threads(nthreads)
+    {
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      XT* xin = buf<XT>(off_xin + tid * xin_stride);
+      thread_local std::vector<float> S, O;
+      int64_t a, b;
+      // embedding
+      split(T, 1, tid, nt, a, b);
+      for (int64_t t = a; t < b; t++)
+        for (int64_t i = 0; i < hidden; i++) x[t * hidden + i] = ldf(emb, ids[t] * hidden + i);
+#pragma omp barrier
+      for (int64_t l = 0; l < L; l++) {
+        // --- attention block: norm (every thread, private copy) -> QKV GEMV over this thread's heads + epilogue
+        rmsnorm<WT, XT>(x, ptr<WT>(in_norm[l]), xin, 0, T);
+        int64_t h0, h1;
+        split(H + 2 * Hkv, 1, tid, nt, h0, h1);
+        gemv<WT, XT>(ptr<WT>(qkv_w[l]), hidden, h0 * D, h1 * D, xin, hidden, M, qkv, nqkv);
+        {
+          const WT* bias = has_bias ? ptr<WT>(qkv_b[l]) : nullptr;
+          const WT* qn = qk_norm ? ptr<WT>(q_norm[l]) : nullptr;
+          const WT* kn = qk_norm ? ptr<WT>(k_norm[l]) : nullptr;
+          WT* kc = kcs[l];
+          WT* vc = vcs[l];
+          float v[512], rot[512];
+          for (int64_t t = 0; t < T; t++) {
+            const float* cr = cosT + pos[t] * D;
+            const float* sr = sinT + pos[t] * D;
+            for (int64_t hh = h0; hh < h1; hh++) {
+              const float* src = qkv + t * nqkv + hh * D;
+              for (int64_t d = 0; d < D; d++) v[d] = rnd<WT>(bias ? src[d] + ldf(bias, hh * D + d) : src[d]);
+              if (hh < H + Hkv) {
+                if (qk_norm) {
+                  const WT* w = hh < H ? qn : kn;
+                  const float ss = sumsq(v, D);
+                  const float r = 1.0f / std::sqrt(ss / float(D) + float(eps));
+                  for (int64_t d = 0; d < D; d++) v[d] = rnd<WT>(ldf(w, d) * rnd<WT>(v[d] * r));
+                }
+                for (int64_t d = 0; d < half; d++) { rot[d] = -v[d + half]; rot[d + half] = v[d]; }
+                for (int64_t d = 0; d < D; d++) {
+                  const float c = rnd<WT>(cr[d]), s = rnd<WT>(sr[d]);
+                  v[d] = rnd<WT>(rnd<WT>(v[d] * c) + rnd<WT>(rot[d] * s));
+                }
+              }
+              if (hh < H) {
+                std::memcpy(q + t * H * D + hh * D, v, D * sizeof(float));
+              } else {
+                WT* dst = (hh < H + Hkv ? kc : vc) + (slots[t] * Hkv + (hh < H + Hkv ? hh - H : hh - H - Hkv)) * D;
+                for (int64_t d = 0; d < D; d++) stf<WT>(dst, d, v[d]);
+              }
+            }
+          }
+        }
+#pragma omp barrier
+        // --- attention over the paged cache: items (sequence, q head), round robin
+        for (int64_t it = tid; it < B * H; it += nt) {
+          const int64_t sb = it / H, h = it % H;
+          attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, bts[sb], bs, kcs[l], vcs[l], h, ain, S, O);
+        }
+#pragma omp barrier
+        if (l == dbg_layer) snap(ain, T * H * D, tid);
+        // --- o_proj + residual
+        split(hidden, 16, tid, nt, a, b);
+        gemv<WT, XT>(ptr<WT>(o_w[l]), H * D, a, b, ain, H * D, M, tmp, hidden);
+        for (int64_t t = 0; t < T; t++)
+          for (int64_t n = a; n < b; n++)
+            x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+#pragma omp barrier
+        if (l == dbg_layer) snap(x, T * hidden, tid);
+        // --- MLP: norm (private) -> gate/up rows [a, b) of both halves -> SiLU(gate) * up
+        rmsnorm<WT, XT>(x, ptr<WT>(post_norm[l]), xin, 0, T);
+        split(inter, 16, tid, nt, a, b);
+        const WT* guw = ptr<WT>(gu_w[l]);
+        gemv<WT, XT>(guw, hidden, a, b, xin, hidden, M, gu, 2 * inter);
+        gemv<WT, XT>(guw, hidden, inter + a, inter + b, xin, hidden, M, gu, 2 * inter);
+        for (int64_t t = 0; t < T; t++)
+          silu_mul<WT, XT>(gu + t * 2 * inter + a, gu + t * 2 * inter + inter + a, act + t * inter + a, b - a);
+#pragma omp barrier
+        if (l == dbg_layer) snap(act, T * inter, tid);
+        // --- down + residual
+        split(hidden, 16, tid, nt, a, b);
+        gemv<WT, XT>(ptr<WT>(down_w[l]), inter, a, b, act, inter, M, tmp, hidden);
+        for (int64_t t = 0; t < T; t++)
+          for (int64_t n = a; n < b; n++)
+            x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+#pragma omp barrier
+        if (cap_at[l] != nullptr) {
+          split(T, 1, tid, nt, a, b);
+          for (int64_t t = a; t < b; t++)
+            for (int64_t i = 0; i < hidden; i++) stf<WT>(cap_at[l], t * hidden + i, x[t * hidden + i]);
+        }
+      }
+      split(T, 1, tid, nt, a, b);
+      rmsnorm<WT, WT>(x, ptr<WT>(final_norm), out, a, b);
+    }
+  }
+
+  // forward(input_ids, positions, kv (per layer (k_cache, v_cache)), q_lens, ctx_lens, block_tables, block_size,
+  // capture_layers) -> (hidden [T, hidden], [captured [T, hidden]])
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward(
+      torch::Tensor ids, torch::Tensor positions, std::vector<std::vector<torch::Tensor>> kv,
+      std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, std::vector<std::vector<int64_t>> bts,
+      int64_t bs, std::vector<int64_t> capture) {
+    const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.device().is_cpu(),
+                "lowlat: input_ids must be a contiguous CPU int64 vector");
+    TORCH_CHECK(positions.sizes() == ids.sizes() && positions.scalar_type() == torch::kLong &&
+                    positions.is_contiguous(), "lowlat: positions must match input_ids (int64)");
+    const int64_t T = ids.size(0), B = (int64_t)q_lens.size();
+    TORCH_CHECK(T >= 1 && T <= max_rows, "lowlat: ", T, " rows, this build handles 1..", max_rows);
+    TORCH_CHECK(B >= 1 && (int64_t)ctx_lens.size() == B && (int64_t)bts.size() == B && bs >= 1,
+                "lowlat: q_lens, ctx_lens and block_tables must have one entry per sequence");
+    TORCH_CHECK((int64_t)kv.size() == L, "lowlat: kv_caches has ", kv.size(), " layers, the model ", L);
+    std::vector<int64_t> row0(B), slots(T);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* idp = ids.data_ptr<int64_t>();
+    int64_t nslots = -1;
+    std::vector<void*> kcs(L), vcs(L);
+    for (int64_t l = 0; l < L; l++) {
+      TORCH_CHECK(kv[l].size() == 2, "lowlat: kv_caches[", l, "] must be a (k_cache, v_cache) pair");
+      for (int i = 0; i < 2; i++) {
+        const auto& c = kv[l][i];
+        TORCH_CHECK(c.dim() == 3 && c.size(1) == Hkv && c.size(2) == D && c.is_contiguous() &&
+                        c.scalar_type() == wdt && c.device().is_cpu(),
+                    "lowlat: kv cache of layer ", l, " must be a contiguous CPU ", wdt, " tensor [slots, ", Hkv, ", ",
+                    D, "], got ", c.scalar_type(), " ", c.sizes());
+        if (nslots < 0) nslots = c.size(0);
+        TORCH_CHECK(c.size(0) == nslots, "lowlat: kv caches differ in slot count");
+      }
+      kcs[l] = kv[l][0].data_ptr();
+      vcs[l] = kv[l][1].data_ptr();
+    }
+    for (int64_t t = 0; t < T; t++)
+      TORCH_CHECK(idp[t] >= 0 && idp[t] < vocab, "lowlat: token id ", idp[t], " out of range");
+    int64_t t = 0;
+    for (int64_t b = 0; b < B; b++) {
+      const int64_t ql = q_lens[b], cl = ctx_lens[b];
+      TORCH_CHECK(ql >= 1 && cl >= ql && cl <= max_pos, "lowlat: sequence ", b, ": q_len ", ql, ", ctx_len ", cl);
+      TORCH_CHECK((int64_t)bts[b].size() * bs >= cl, "lowlat: sequence ", b, ": block table too short");
+      for (int64_t blk = 0; blk < (cl + bs - 1) / bs; blk++)
+        TORCH_CHECK(bts[b][blk] >= 0 && (bts[b][blk] + 1) * bs <= nslots, "lowlat: sequence ", b, ": block ",
+                    bts[b][blk], " outside the cache");
+      row0[b] = t;
+      for (int64_t i = 0; i < ql; i++, t++) {
+        TORCH_CHECK(t < T && pos[t] == cl - ql + i, "lowlat: positions do not match q_lens/ctx_lens");
+        slots[t] = bts[b][pos[t] / bs] * bs + pos[t] % bs;
+      }
+    }
+    TORCH_CHECK(t == T, "lowlat: sum(q_lens) = ", t, " but ", T, " input ids");
+    auto opts = torch::TensorOptions().dtype(wdt);
+    torch::Tensor out = torch::empty({T, hidden}, opts);
+    std::vector<torch::Tensor> captured;
+    std::vector<void*> cap_at(L, nullptr);
+    for (int64_t c : capture) {
+      TORCH_CHECK(c >= 0 && c < L, "lowlat: capture layer ", c, " out of range");
+      if (cap_at[c] == nullptr) {
+        captured.push_back(torch::empty({T, hidden}, opts));
+        cap_at[c] = captured.back().data_ptr();
+      } else {  // the same layer twice: share one tensor
+        for (auto& ct : captured) if (ct.data_ptr() == cap_at[c]) { captured.push_back(ct); break; }
+      }
+    }
+    if (bf16) {
+      auto cv = [](const std::vector<void*>& v) {
+        std::vector<bf16_t*> r(v.size());
+        for (size_t i = 0; i < v.size(); i++) r[i] = reinterpret_cast<bf16_t*>(v[i]);
+        return r;
+      };
+      auto o = reinterpret_cast<bf16_t*>(out.data_ptr());
+      if (dot) {
+#ifdef __AVX512BF16__
+        run<bf16_t, bf16_t>(idp, pos, T, q_lens, ctx_lens, bts, bs, cv(kcs), cv(vcs), slots, row0, cv(cap_at), o);
+#endif
+      } else {
+        run<bf16_t, float>(idp, pos, T, q_lens, ctx_lens, bts, bs, cv(kcs), cv(vcs), slots, row0, cv(cap_at), o);
+      }
+    } else {
+      auto cv = [](const std::vector<void*>& v) {
+        std::vector<float*> r(v.size());
+        for (size_t i = 0; i < v.size(); i++) r[i] = reinterpret_cast<float*>(v[i]);
+        return r;
+      };
+      run<float, float>(idp, pos, T, q_lens, ctx_lens, bts, bs, cv(kcs), cv(vcs), slots, row0, cv(cap_at),
+                        out.data_ptr<float>());
+    }
+    return {out, captured};
+  }
+
+  // the attention kernel on its own, for tests: q [T, H*D] (RoPE applied) over caches [slots, Hkv, D] that
+  // already hold this step's K/V -> [T, H*D] in the model dtype
+  torch::Tensor attention(torch::Tensor qt, torch::Tensor kc, torch::Tensor vc, torch::Tensor positions,
+                          std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens,
+                          std::vector<std::vector<int64_t>> bts, int64_t bs) const {
+    const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
+    const int64_t T = qt.size(0), B = (int64_t)q_lens.size();
+    TORCH_CHECK(qt.dim() == 2 && qt.size(1) == H * D && T <= kMaxRows && positions.numel() == T &&
+                    positions.scalar_type() == torch::kLong && kc.scalar_type() == wdt && vc.sizes() == kc.sizes() &&
+                    vc.scalar_type() == wdt && kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 &&
+                    kc.size(1) == Hkv && kc.size(2) == D && B >= 1 && (int64_t)ctx_lens.size() == B &&
+                    (int64_t)bts.size() == B && bs >= 1,
+                "lowlat.attention: bad inputs");
+    auto qf = qt.to(torch::kFloat32).contiguous();
+    auto pos = positions.contiguous();
+    std::vector<int64_t> row0(B);
+    for (int64_t b = 0, t = 0; b < B; t += q_lens[b], b++) {
+      row0[b] = t;
+      TORCH_CHECK(q_lens[b] >= 1 && ctx_lens[b] >= q_lens[b] && (int64_t)bts[b].size() * bs >= ctx_lens[b],
+                  "lowlat.attention: sequence ", b, " does not fit its block table");
+      for (int64_t j = 0; j < (ctx_lens[b] + bs - 1) / bs; j++)
+        TORCH_CHECK(bts[b][j] >= 0 && (bts[b][j] + 1) * bs <= kc.size(0), "lowlat.attention: block out of range");
+      for (int64_t i = 0; i < q_lens[b]; i++)
+        TORCH_CHECK(t + i < T && pos.data_ptr<int64_t>()[t + i] == ctx_lens[b] - q_lens[b] + i,
+                    "lowlat.attention: positions do not match q_lens/ctx_lens");
+    }
+    const int64_t kv_len = *std::max_element(ctx_lens.begin(), ctx_lens.end());
+    std::vector<float> S, O, outf(T * H * D);
+    auto run_all = [&](auto tag) {
+      using WT = decltype(tag);
+      for (int64_t it = 0; it < B * H; it++)
+        attend<WT, float>(qf.data_ptr<float>(), pos.data_ptr<int64_t>(), row0[it / H], q_lens[it / H],
+                          ctx_lens[it / H], kv_len, bts[it / H], bs, reinterpret_cast<const WT*>(kc.data_ptr()),
+                          reinterpret_cast<const WT*>(vc.data_ptr()), it % H, outf.data(), S, O);
+    };
+    if (bf16) run_all(bf16_t{});
+    else run_all(float{});
+    return torch::from_blob(outf.data(), {T, H * D}, torch::kFloat32).to(wdt).clone();
+  }
+
+  // y = x @ W.T (+ bias) for a model-dtype x [M, K] and W [N, K]: the same GEMV as the forward, on its own
+  // (the ablation's "C++ GEMV in the Python forward", and a fast LM head). out_float: float32 result (no
+  // rounding to the model dtype).
+  torch::Tensor linear(torch::Tensor x, torch::Tensor W, c10::optional<torch::Tensor> bias, bool out_float) const {
+    const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
+    TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && x.size(1) == W.size(0 + 1) && x.scalar_type() == wdt &&
+                    W.scalar_type() == wdt && W.is_contiguous() && x.device().is_cpu() && W.device().is_cpu(),
+                "lowlat.linear: expected x [M, K] and contiguous W [N, K] in the model dtype");
+    const int64_t M = x.size(0), K = x.size(1), N = W.size(0);
+    TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == wdt && bias->is_contiguous()),
+                "lowlat.linear: bias must be [N] in the model dtype");
+    auto y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kFloat32));
+    if (M == 0 || N == 0) return out_float ? y : y.to(wdt);
+    auto xc = x.contiguous();
+    float* yp = y.data_ptr<float>();
+    const int nt = nthreads;
+    if (!bf16) {
+      const float* xp = xc.data_ptr<float>();
+      const float* wp = W.data_ptr<float>();
+#pragma omp parallel num_threads(nt)
+      {
+        int64_t a, b;
+        split(N, 16, omp_get_thread_num(), omp_get_num_threads(), a, b);
+        gemv<float, float>(wp, K, a, b, xp, K, int(M), yp, N);
+      }
+    } else {
+      const bf16_t* wp = reinterpret_cast<const bf16_t*>(W.data_ptr());
+      if (dot) {
+#ifdef __AVX512BF16__
+        const bf16_t* xp = reinterpret_cast<const bf16_t*>(xc.data_ptr());
+#pragma omp parallel num_threads(nt)
+        {
+          int64_t a, b;
+          split(N, 16, omp_get_thread_num(), omp_get_num_threads(), a, b);
+          gemv<bf16_t, bf16_t>(wp, K, a, b, xp, K, int(M), yp, N);
+        }
+#endif
+      } else {
+        auto xf = xc.to(torch::kFloat32);
+        const float* xp = xf.data_ptr<float>();
+#pragma omp parallel num_threads(nt)
+        {
+          int64_t a, b;
+          split(N, 16, omp_get_thread_num(), omp_get_num_threads(), a, b);
+          gemv<bf16_t, float>(wp, K, a, b, xp, K, int(M), yp, N);
+        }
+      }
+    }
+    if (bias.has_value()) {
+      if (bf16) y = y.to(wdt).add(*bias);  // torch's bf16 addmm: bf16 product, then the bias add rounds again
+      else y.add_(*bias);
+    }
+    return out_float ? y.to(torch::kFloat32) : y.to(wdt);
+  }
+};
+
+}  // namespace lowlat
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("have_avx512_bf16") = lowlat::kHaveDot;
+  m.def("_set_prefetch", [](int64_t bytes) { lowlat::g_prefetch = bytes; }, "GEMV L2 prefetch distance (benchmarks)");
+  pybind11::class_<lowlat::Model>(m, "Model")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool, int64_t,
+                          int64_t, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>())
+      .def("forward", &lowlat::Model::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("attention", &lowlat::Model::attention)
+      .def("test_silu_mul", &lowlat::Model::test_silu_mul)
+      .def("test_rmsnorm", &lowlat::Model::test_rmsnorm)
+      .def("linear", &lowlat::Model::linear, pybind11::arg("x"), pybind11::arg("weight"),
+           pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float") = false)
+      .def_readonly("scratch", &lowlat::Model::scratch)
+      .def_readwrite("dbg_layer", &lowlat::Model::dbg_layer)
+      .def_readwrite("dbg", &lowlat::Model::dbg)
+      .def_readonly("dot", &lowlat::Model::dot)
+      .def_readonly("nthreads", &lowlat::Model::nthreads)
+      .def_readonly("max_rows", &lowlat::Model::max_rows);
+}

@@ -1,0 +1,174 @@
+"""LowLatPlugin: the whole Llama-family forward in one C++ call for small CPU batches (decode, verify of k
+drafts, small prefill chunks). See csrc/lowlat.cpp for the kernels."""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+
+import torch
+
+from lanner.models.config import SUPPORTED_ARCHITECTURES
+from lanner.plugins.base import Hardware, Plugin, PluginMismatch, Step, StepKind
+
+log = logging.getLogger("lanner")
+
+
+class LowLatPlugin(Plugin):
+    """Options (plugin_options={"lowlat": {...}} / --plugin-option lowlat.NAME=VALUE):
+    threads: OpenMP threads for the kernels (default: torch.get_num_threads() at build);
+    max_rows: most rows (tokens) of a DECODE / VERIFY / DRAFT step it runs, up to 256; larger steps go to the
+        engine's own forward. Default 64: on the 2-core AVX-512 box lowlat is faster than the engine's forward up
+        to about 64-72 rows (from 3.5x at 1 row to 1.1x at 64), where PyTorch's GEMM, which reuses each weight
+        across many rows, catches up with lowlat's GEMV (each weight row against at most 6-8 rows at a time);
+    prefill_rows: the same for PREFILL / DRAFT_EXTEND steps (default 64; 0 leaves prefill to the engine);
+    max_batch: most sequences per step (default 8);
+    isa: "auto" (AVX512_BF16 dot products when the CPU has them) or "avx512f" (bf16 -> fp32 shifts + FMA)."""
+
+    name = "lowlat"
+    architectures = tuple(sorted(SUPPORTED_ARCHITECTURES))
+    OPTIONS = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int, "isa": str}
+
+    def __init__(self, **options):
+        unknown = sorted(set(options) - set(self.OPTIONS))
+        if unknown:
+            raise ValueError(f"plugin lowlat: unknown option(s) {unknown}; it takes {sorted(self.OPTIONS)}")
+        for k, v in options.items():
+            if not isinstance(v, self.OPTIONS[k]) or isinstance(v, bool):
+                raise ValueError(f"plugin lowlat: option {k}={v!r} has the wrong type")
+        self.threads = options.get("threads")
+        self.max_rows = options.get("max_rows", 64)
+        self.prefill_rows = options.get("prefill_rows", 64)
+        self.max_batch = options.get("max_batch", 8)
+        self.isa = options.get("isa", "auto")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError("plugin lowlat: threads must be >= 1")
+        if not 1 <= self.max_rows <= 256:
+            raise ValueError("plugin lowlat: max_rows must be in 1..256")
+        if not 0 <= self.prefill_rows <= 256:
+            raise ValueError("plugin lowlat: prefill_rows must be in 0..256")
+        if self.max_batch < 1:
+            raise ValueError("plugin lowlat: max_batch must be >= 1")
+        if self.isa not in ("auto", "avx512f"):
+            raise ValueError(f"plugin lowlat: isa must be 'auto' or 'avx512f', got {self.isa!r}")
+        self.rows = max(self.max_rows, self.prefill_rows)  # the kernels' capacity
+        self._kernel = None  # the target model's kernel
+        self._scratch = None  # its activation buffers, reachable here so the engine accounts for them
+        self._others: dict[int, tuple] = {}  # id(draft model) -> (weakref, kernel): built on first use
+        self._target_id = None
+        self._lock = threading.Lock()  # a kernel's buffers serve one forward at a time
+        self.hardware = None
+
+    # ------------------------------------------------------------------ contract
+    def supports(self, model_config) -> bool:
+        c = model_config
+        return (c.architecture in SUPPORTED_ARCHITECTURES and c.head_dim % 16 == 0 and c.head_dim <= 512
+                and c.num_heads % c.num_kv_heads == 0)
+
+    def check(self, model_config, hardware: Hardware) -> None:
+        if hardware.kind == "cuda":
+            raise PluginMismatch(f"lowlat: CUDA path not built (device {hardware.device}); lowlat runs on CPU only")
+        if hardware.dtype not in (torch.bfloat16, torch.float32):
+            raise PluginMismatch(f"lowlat: dtype {hardware.dtype} not supported; use bfloat16 or float32")
+        if "avx512f" not in hardware.cpu_flags:
+            raise PluginMismatch(f"lowlat: the CPU ({hardware.device_name or 'unknown'}) lacks the avx512f flag; "
+                                 "lowlat's kernels need AVX-512")
+        if hardware.tp_size != 1:
+            raise PluginMismatch(f"lowlat: tensor parallelism is not supported (tp_size={hardware.tp_size}, needs 1)")
+        if not self.supports(model_config):
+            raise PluginMismatch(f"lowlat: head_dim {model_config.head_dim} / heads {model_config.num_heads} / kv "
+                                 f"heads {model_config.num_kv_heads} not supported (head_dim a multiple of 16, <= 512)")
+        self._load_extension()
+
+    def _load_extension(self):
+        """Compiles (first use on this machine, ~20-60 s) or loads the C++ extension. In check(), so that a
+        machine without a working C++ toolchain is a mismatch ("auto" mode skips the plugin) rather than an
+        engine that fails after loading the weights."""
+        from lanner.plugins.lowlat import _ext
+
+        try:
+            return _ext.load()  # cached in lanner.plugins.lowlat._ext (not kept here: the engine walks attributes)
+        except Exception as e:
+            raise PluginMismatch(f"lowlat: the C++ extension did not build ({type(e).__name__}: "
+                                 f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); it needs g++ "
+                                 "with OpenMP and ninja") from e
+
+    def build(self, model, model_config, hardware: Hardware) -> None:
+        ext = self._load_extension()
+        self.hardware = hardware
+        self.threads_used = self.threads or torch.get_num_threads()
+        self.uses_dot = (hardware.dtype == torch.bfloat16 and self.isa == "auto"
+                         and "avx512_bf16" in hardware.cpu_flags and ext.have_avx512_bf16)
+        self._kernel = self._make_kernel(model)
+        self._target_id = id(model)
+        self._scratch = self._kernel.scratch
+
+    def covers(self, step: Step) -> bool:
+        if self._kernel is None or step.batch_size > self.max_batch or step.model not in ("target", "draft"):
+            return False  # "draft_head" (EAGLE head) steps run on the engine's own forward
+        if step.kind in (StepKind.PREFILL, StepKind.DRAFT_EXTEND):
+            return step.num_tokens <= self.prefill_rows
+        return step.num_tokens <= self.max_rows
+
+    def forward(self, step: Step, model, input_ids, positions, kv_caches, meta, capture_layers=()):
+        kernel = self._kernel_for(model)
+        if kernel is None:  # a draft model lowlat cannot run: its own forward
+            return model(input_ids, positions, kv_caches, meta, capture_layers)
+        if meta.q_lens is None:
+            raise RuntimeError("lowlat: AttentionMetadata carries no q_lens/ctx_lens/block_tables")
+        with self._lock:
+            return kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
+                                  meta.block_size, list(capture_layers))
+
+    # ------------------------------------------------------------------ kernels
+    def _make_kernel(self, model):
+        c, dtype = model.cfg, self.hardware.dtype
+        layers = model.layers
+        att = [lyr.self_attn for lyr in layers]
+        with torch.no_grad():
+            return self._load_extension().Model(
+                c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                float(c.rms_norm_eps), float(att[0].scale), dtype == torch.bfloat16, self.uses_dot,
+                self.threads_used, self.rows,
+                model.embed_tokens.weight.data,
+                [lyr.input_layernorm.weight.data for lyr in layers],
+                [a.qkv_proj.weight.data for a in att],
+                [a.qkv_proj.bias.data for a in att] if att[0].qkv_proj.bias is not None else [],
+                [a.q_norm.weight.data for a in att] if att[0].q_norm is not None else [],
+                [a.k_norm.weight.data for a in att] if att[0].k_norm is not None else [],
+                [a.o_proj.weight.data for a in att],
+                [lyr.post_attention_layernorm.weight.data for lyr in layers],
+                [lyr.mlp.gate_up_proj.weight.data for lyr in layers],
+                [lyr.mlp.down_proj.weight.data for lyr in layers],
+                model.norm.weight.data, model.rotary.cos.float().contiguous(), model.rotary.sin.float().contiguous())
+
+    def _kernel_for(self, model):
+        """The target's kernel, or one built on first use for a draft model (the engine builds plugins for the
+        target only); None when the draft's structure is one lowlat does not run."""
+        if id(model) == self._target_id:
+            return self._kernel
+        entry = self._others.get(id(model))
+        if entry is None or entry[0]() is not model:
+            kernel = None
+            if self.supports(model.cfg) and next(model.parameters()).dtype == self.hardware.dtype:
+                kernel = self._make_kernel(model)
+            else:
+                log.info("lowlat: the draft model (%s) runs on the engine's own forward", model.cfg.architecture)
+            entry = self._others[id(model)] = (weakref.ref(model), kernel)
+        return entry[1]
+
+    # ------------------------------------------------------------------ extras
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               out_float: bool = False) -> torch.Tensor:
+        """x [M, K] @ weight[N, K].T (+ bias) with lowlat's GEMV, in the model dtype (out_float: float32, not
+        rounded to the model dtype)."""
+        return self._kernel.linear(x, weight, bias, out_float)
+
+    def compute_logits(self, step: Step, model, hidden: torch.Tensor) -> torch.Tensor:
+        """model.compute_logits(hidden) through lowlat's GEMV, for the steps lowlat ran (core's logits hook). The
+        LM head is the largest single weight (49152 x 576 for the default model: a fifth of the bytes a decode
+        step reads), and PyTorch's bf16 GEMV streams it at under half of lowlat's rate."""
+        weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        if hidden.shape[0] > self.rows or weight.dtype != self.hardware.dtype:
+            return model.compute_logits(hidden)
+        return self._kernel.linear(hidden, weight, None, False)

@@ -1,0 +1,169 @@
+"""lowlat, Lanner's reference CPU kernel plugin (lanner/plugins/lowlat): the whole Llama-family forward in one
+C++ call. Against the engine's own forward on the real default model (float32: identical greedy tokens and
+<= 1e-4 per step; bf16: within the 3e-2 verify tolerance), its kernels on their own, a tiny random draft
+model of each structure (Qwen2 bias, Qwen3 q/k norm), and check()'s refusals. The extension compiles once per
+machine (~20-60 s), then loads from torch's extension cache."""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lanner import LLM, SamplingParams
+from lanner.layers.attention import build_attention_metadata, paged_attention
+from lanner.models.config import ModelConfig
+from lanner.models.llama import LlamaModel
+from lanner.plugins import Hardware, PluginMismatch, Step, StepKind
+from lanner.plugins.base import _cpu_flags
+from lanner.plugins.lowlat import LowLatPlugin
+
+pytestmark = pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="lowlat needs an AVX-512 CPU")
+
+PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ",
+           "Paris is the capital of a country that is famous for its food, its art and"]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@contextlib.contextmanager
+def own_forward(llm):
+    """The same engine without its plugins: the reference run costs no second model load."""
+    eng = llm.engine
+    saved = eng.plugins, eng.runner.plugins
+    eng.plugins = eng.runner.plugins = None
+    try:
+        yield
+    finally:
+        eng.plugins, eng.runner.plugins = saved
+
+
+@pytest.fixture(scope="module")
+def llm32_lowlat():
+    # spec_max_batch=1: the 3-prompt batch decodes plainly (DECODE steps at batch 3), a lone prompt speculates
+    return LLM(dtype="float32", plugin="lowlat", plugin_verify=1000, spec="ngram", spec_max_batch=1,
+               kv_cache_memory="0.25GiB")
+
+
+def test_float32_greedy_matches_own_forward(llm32_lowlat):
+    llm = llm32_lowlat
+    with own_forward(llm):
+        want_batch = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        want_alone = llm.generate(PROMPTS[1], GREEDY)[0].token_ids
+    before = dict(llm.engine.plugins.counts)
+    # plugin_verify=1000: every step also runs the own forward and must agree to 1e-4 (else PluginVerifyError)
+    got_batch = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    got_alone = llm.generate(PROMPTS[1], GREEDY)[0].token_ids
+    assert got_batch == want_batch and got_alone == want_alone
+    counts = {k: v - before.get(k, 0) for k, v in llm.engine.plugins.counts.items()}
+    assert counts.get(("lowlat", "decode"), 0) >= 30 and counts.get(("lowlat", "verify"), 0) >= 5, counts
+    assert counts.get(("lowlat", "prefill"), 0) >= 1, counts  # short prompts: one small prefill step
+    assert not llm.engine.plugins.disabled
+    # the plugin keeps only its activation buffers: no copy of the weights
+    assert 0 < llm.engine.plugin_bytes < 16 * 2**20
+
+
+def test_bf16_within_verify_tolerance():
+    llm = LLM(dtype="bfloat16", plugin="lowlat", plugin_verify=8, kv_cache_memory="0.25GiB")
+    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert all(len(o.token_ids) == 8 for o in outs)
+    counts = llm.engine.plugins.counts
+    assert counts[("lowlat", "decode")] == 7 and not llm.engine.plugins.disabled
+    assert llm.engine.plugins.plugins[0].uses_dot == ("avx512_bf16" in _cpu_flags())
+
+
+def test_kernels_match_torch(llm32_lowlat):
+    """GEMV and paged attention on their own: batched sequences of different lengths over scattered blocks."""
+    plugin = llm32_lowlat.engine.plugins.plugins[0]
+    torch.manual_seed(0)
+    w = torch.randn(301, 200)  # an odd row count and K % 32 != 0: the kernels' tails
+    for m in (1, 3, 6, 9, 20):
+        x = torch.randn(m, 200)
+        assert (plugin.linear(x, w) - F.linear(x, w)).abs().max() < 1e-4
+    H, Hkv, D, bs = 9, 3, 64, 16
+    kc, vc = torch.randn(60 * bs, Hkv, D), torch.randn(60 * bs, Hkv, D)
+    q_lens, ctx_lens = [1, 2, 6], [40, 17, 90]
+    tables = [[7, 3, 9], [20, 21], [50, 1, 2, 30, 31, 40]]
+    meta = build_attention_metadata(q_lens, ctx_lens, tables, bs, "cpu")
+    q = torch.randn(sum(q_lens), H, D)
+    pos = torch.tensor([c - n + i for n, c in zip(q_lens, ctx_lens) for i in range(n)])
+    want = paged_attention(q, kc[meta.slot_mapping], vc[meta.slot_mapping], kc, vc, meta, D ** -0.5)
+    got = plugin._kernel.attention(q.view(-1, H * D), kc, vc, pos, q_lens, ctx_lens, tables, bs)
+    assert (got - want).abs().max() < 1e-5
+
+
+def tiny_model(**extra):
+    cfg = dict(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+               num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    c = ModelConfig(**{**cfg, **extra})
+    torch.manual_seed(1)
+    model = LlamaModel(c)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" not in name else 0.2) + (1.0 if "norm" in name else 0.0))
+    model.init_rotary("cpu")
+    return model.eval()
+
+
+@pytest.mark.parametrize("extra", [{}, {"attention_bias": True, "architecture": "Qwen2ForCausalLM"},
+                                   {"qk_norm": True, "architecture": "Qwen3ForCausalLM", "head_dim": 32}])
+@pytest.mark.parametrize("dtype,isa", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                       (torch.bfloat16, "avx512f")])
+def test_draft_model_structures(llm32_lowlat, extra, dtype, isa):
+    """A model other than the one built (a draft model) gets its own kernel on first use; each Llama-family
+    variant (Qwen2's q/k/v bias, Qwen3's q/k norm) against its own forward, one batched mixed step; bf16 with
+    AVX512_BF16 dot products and with the plain AVX-512F conversion path."""
+    target = llm32_lowlat.engine.plugins.plugins[0]
+    plugin = LowLatPlugin(threads=target.threads_used, isa=isa)
+    model = tiny_model(**extra).to(dtype)
+    plugin.build(model, model.cfg, Hardware.detect("cpu", dtype))
+    draft = tiny_model(**extra).to(dtype)  # same structure, another model object: built lazily
+    c = draft.cfg
+    kv1 = torch.zeros(c.num_layers, 2, 40 * 16, c.num_kv_heads, c.head_dim, dtype=dtype)
+    kv2 = kv1.clone()
+    q_lens, ctx_lens, tables = [5, 1, 3], [20, 33, 3], [[4, 5], [9, 2, 7], [0]]
+    meta = build_attention_metadata(q_lens, ctx_lens, tables, 16, "cpu")
+    ids = torch.randint(0, 128, (9,))
+    pos = torch.tensor([cl - ql + i for ql, cl in zip(q_lens, ctx_lens) for i in range(ql)])
+    with torch.inference_mode():
+        # earlier context in both caches from the own forward, then this step through both paths
+        for b, (ql, cl) in enumerate(zip(q_lens, ctx_lens)):
+            if cl > ql:
+                m = build_attention_metadata([cl - ql], [cl - ql], [tables[b]], 16, "cpu")
+                args = (torch.randint(0, 128, (cl - ql,)), torch.arange(cl - ql))
+                draft(*args, [(kv1[i, 0], kv1[i, 1]) for i in range(2)], m, ())
+                draft(*args, [(kv2[i, 0], kv2[i, 1]) for i in range(2)], m, ())
+        want, wcap = draft(ids, pos, [(kv1[i, 0], kv1[i, 1]) for i in range(2)], meta, (0, 1))
+        got, gcap = plugin.forward(Step(StepKind.VERIFY, 9, 3, "draft"), draft, ids, pos,
+                                   [(kv2[i, 0], kv2[i, 1]) for i in range(2)], meta, (0, 1))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for g, w in [(got, want), (gcap[0], wcap[0]), (gcap[1], wcap[1]), (kv2, kv1)]:
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert ((g.float() - w.float()).abs().max() / w.float().abs().max()).item() <= tol
+    assert plugin._kernel_for(draft) is not plugin._kernel  # the draft got its own kernel
+
+
+def test_check_names_the_mismatch():
+    cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16)
+    flags = frozenset({"avx512f", "avx512_bf16"})
+    plugin = LowLatPlugin()
+    plugin.check(cfg, Hardware("cpu", torch.bfloat16, "test cpu", None, flags))
+    with pytest.raises(PluginMismatch, match="lowlat: CUDA path not built"):
+        plugin.check(cfg, Hardware("cuda:0", torch.bfloat16, "GPU", (9, 0)))
+    with pytest.raises(PluginMismatch, match="avx512f"):
+        plugin.check(cfg, Hardware("cpu", torch.bfloat16, "old cpu", None, frozenset({"avx2", "fma"})))
+    with pytest.raises(PluginMismatch, match="tp_size=2"):
+        plugin.check(cfg, Hardware("cpu", torch.float32, "test cpu", None, flags, tp_size=2))
+    with pytest.raises(PluginMismatch, match="float16"):
+        plugin.check(cfg, Hardware("cpu", torch.float16, "test cpu", None, flags))
+    with pytest.raises(ValueError, match="unknown option.*'thread'"):
+        LowLatPlugin(thread=2)
+    with pytest.raises(ValueError, match="max_rows"):
+        LowLatPlugin(max_rows=0)
+    # what it covers: small target / draft-model steps, not the EAGLE head's
+    plugin = LowLatPlugin(max_rows=8, prefill_rows=16)
+    assert plugin.covers(Step(StepKind.DECODE, 8, 8)) is False  # not built yet
+    plugin._kernel = object()
+    assert plugin.covers(Step(StepKind.DECODE, 8, 8)) and plugin.covers(Step(StepKind.VERIFY, 6, 1, "draft"))
+    assert plugin.covers(Step(StepKind.PREFILL, 16, 1)) and not plugin.covers(Step(StepKind.PREFILL, 17, 1))
+    assert not plugin.covers(Step(StepKind.VERIFY, 9, 1)) and not plugin.covers(Step(StepKind.DECODE, 9, 9))
+    assert not plugin.covers(Step(StepKind.DRAFT, 1, 1, "draft_head"))
