@@ -23,7 +23,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@touch $@
 
 run: setup
-	$(VENV)/bin/lanner serve --host $(HOST) --port $(PORT)
+	@# low-latency mode: the lowlat kernel plugin where it fits (compiled once, ~1 min), else the plain forward
+	$(VENV)/bin/lanner serve --host $(HOST) --port $(PORT) --plugin auto
 
 test: setup
 	$(PY) -m pytest -q
@@ -31,6 +32,8 @@ test: setup
 bench: setup
 	$(VENV)/bin/lanner bench latency
 	$(VENV)/bin/lanner bench throughput --concurrency 1,4,16
+	$(VENV)/bin/lanner bench latency --plugin lowlat --json results/bench_latency_lowlat.json
+	$(VENV)/bin/lanner bench replay --plugin lowlat --compare none --concurrency 1,2,4
 
 clean:
 	rm -rf $(VENV)
