@@ -221,7 +221,7 @@ def grpo_loss(policy: list[torch.Tensor], ref: list[torch.Tensor], adv: torch.Te
     if not terms:
         return torch.zeros((), requires_grad=True), 0.0
     kl = torch.stack(kls).mean()
-    return -(torch.stack(terms).mean() - beta * kl), float(kl)
+    return -(torch.stack(terms).mean() - beta * kl), float(kl.detach())
 
 
 # ---------------------------------------------------------------- training
