@@ -1,5 +1,6 @@
 """LowLatPlugin: the whole Llama-family forward in one C++ call for small CPU batches (decode, verify of k
-drafts, small prefill chunks). See csrc/lowlat.cpp for the kernels."""
+drafts, small prefill chunks) of the target or a draft model, lowlat's GEMV for the LM head (core's
+compute_logits hook) and for an EAGLE-style draft head's linears. See csrc/lowlat.cpp for the kernels."""
 from __future__ import annotations
 
 import logging
@@ -18,10 +19,11 @@ class LowLatPlugin(Plugin):
     """Options (plugin_options={"lowlat": {...}} / --plugin-option lowlat.NAME=VALUE):
     threads: OpenMP threads for the kernels (default: torch.get_num_threads() at build);
     max_rows: most rows (tokens) of a DECODE / VERIFY / DRAFT step it runs, up to 256; larger steps go to the
-        engine's own forward. Default 64: on the 2-core AVX-512 box lowlat is faster than the engine's forward up
-        to about 64-72 rows (from 3.5x at 1 row to 1.1x at 64), where PyTorch's GEMM, which reuses each weight
-        across many rows, catches up with lowlat's GEMV (each weight row against at most 6-8 rows at a time);
-    prefill_rows: the same for PREFILL / DRAFT_EXTEND steps (default 64; 0 leaves prefill to the engine);
+        engine's own forward. Default 72 (8 sequences x 9 verify rows). On the 2-core AVX-512 box lowlat beats
+        the engine's forward at every size up to 72 rows (2 threads, bf16: 4.0x at 1 row, 3.4x at 6, 1.15x at
+        72), but the margin shrinks with the rows: PyTorch's GEMM reuses each weight across all of them, lowlat's
+        GEMV across 6-8 at a time;
+    prefill_rows: the same for PREFILL / DRAFT_EXTEND steps (default 72; 0 leaves prefill to the engine);
     max_batch: most sequences per step (default 8);
     isa: "auto" (AVX512_BF16 dot products when the CPU has them) or "avx512f" (bf16 -> fp32 shifts + FMA)."""
 
@@ -37,8 +39,8 @@ class LowLatPlugin(Plugin):
             if not isinstance(v, self.OPTIONS[k]) or isinstance(v, bool):
                 raise ValueError(f"plugin lowlat: option {k}={v!r} has the wrong type")
         self.threads = options.get("threads")
-        self.max_rows = options.get("max_rows", 64)
-        self.prefill_rows = options.get("prefill_rows", 64)
+        self.max_rows = options.get("max_rows", 72)
+        self.prefill_rows = options.get("prefill_rows", 72)
         self.max_batch = options.get("max_batch", 8)
         self.isa = options.get("isa", "auto")
         if self.threads is not None and self.threads < 1:
@@ -104,13 +106,18 @@ class LowLatPlugin(Plugin):
         self._scratch = self._kernel.scratch
 
     def covers(self, step: Step) -> bool:
-        if self._kernel is None or step.batch_size > self.max_batch or step.model not in ("target", "draft"):
-            return False  # "draft_head" (EAGLE head) steps run on the engine's own forward
+        if self._kernel is None or step.batch_size > self.max_batch:
+            return False
         if step.kind in (StepKind.PREFILL, StepKind.DRAFT_EXTEND):
             return step.num_tokens <= self.prefill_rows
         return step.num_tokens <= self.max_rows
 
-    def forward(self, step: Step, model, input_ids, positions, kv_caches, meta, capture_layers=()):
+    def forward(self, step: Step, model, *args):
+        if step.model == "draft_head":
+            return self._head_forward(model, *args)
+        return self._model_forward(model, *args)
+
+    def _model_forward(self, model, input_ids, positions, kv_caches, meta, capture_layers=()):
         kernel = self._kernel_for(model)
         if kernel is None:  # a draft model lowlat cannot run: its own forward
             return model(input_ids, positions, kv_caches, meta, capture_layers)
@@ -119,6 +126,34 @@ class LowLatPlugin(Plugin):
         with self._lock:
             return kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
                                   meta.block_size, list(capture_layers))
+
+    # ------------------------------------------------------------------ EAGLE-style draft head
+    HEAD_PARTS = ("input_layernorm", "hidden_norm", "qkv_proj", "o_proj", "post_attention_layernorm", "mlp", "norm",
+                  "lm_head", "rotary", "scale", "H", "Hkv", "D")
+
+    def _head_forward(self, head, hidden, token_emb, positions, k_cache, v_cache, meta):
+        """DraftHead.forward (one decoder layer over the fused target features, then its draft-vocabulary head)
+        with lowlat's GEMV for its six linears and PyTorch for the rest: at one row per step the head is a few
+        small GEMVs, which PyTorch runs at a third of lowlat's rate. A head of another structure runs its own
+        forward."""
+        if not all(hasattr(head, a) for a in self.HEAD_PARTS) or head.lm_head.weight.dtype != self.hardware.dtype:
+            return head(hidden, token_emb, positions, k_cache, v_cache, meta)
+        from lanner.layers.attention import paged_attention
+        from lanner.layers.rotary import apply_rotary
+
+        def lin(x, layer):
+            return self._kernel.linear(x.contiguous(), layer.weight, layer.bias, False)
+
+        T, H, Hkv, D = hidden.shape[0], head.H, head.Hkv, head.D
+        x = torch.cat([head.input_layernorm(token_emb), head.hidden_norm(hidden)], dim=-1)
+        qkv = lin(x, head.qkv_proj).view(T, H + 2 * Hkv, D)
+        cos, sin = head.rotary.lookup(positions, hidden.dtype)
+        qk = apply_rotary(qkv[:, : H + Hkv], cos, sin)
+        attn = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hkv :], k_cache, v_cache, meta, head.scale)
+        out = hidden + lin(attn, head.o_proj)
+        gate, up = lin(head.post_attention_layernorm(out), head.mlp.gate_up_proj).chunk(2, dim=-1)
+        out = out + lin(torch.nn.functional.silu(gate) * up, head.mlp.down_proj)
+        return lin(head.norm(out), head.lm_head), out
 
     # ------------------------------------------------------------------ kernels
     def _make_kernel(self, model):

@@ -189,6 +189,7 @@ struct KF32 {  // float weights, float activations
   using W = float;
   using X = float;
   static constexpr int kStep = 16;
+  static constexpr int kPrefetchFrom = 1;  // activation rows from which the L2 prefetch pays (see g_prefetch)
   static inline __m512 wload(const float* w) { return _mm512_loadu_ps(w); }
   static inline void macw(__m512& acc, __m512 w, const float* x) { acc = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
   static inline void mac_tail(__m512& acc, const float* w, const float* x, int64_t n) {
@@ -200,6 +201,7 @@ struct KCvt {  // bf16 weights, float activations
   using W = bf16_t;
   using X = float;
   static constexpr int kStep = 16;
+  static constexpr int kPrefetchFrom = 3;
   static inline __m512 wload(const bf16_t* w) { return load16(w); }
   static inline void macw(__m512& acc, __m512 w, const float* x) { acc = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
   static inline void mac_tail(__m512& acc, const bf16_t* w, const float* x, int64_t n) {
@@ -213,6 +215,7 @@ struct KDot {  // bf16 weights, bf16 activations, vdpbf16ps
   using W = bf16_t;
   using X = bf16_t;
   static constexpr int kStep = 32;
+  static constexpr int kPrefetchFrom = 3;
   static inline __m512i wload(const bf16_t* w) { return _mm512_loadu_si512((const void*)w); }
   static inline void macw(__m512& acc, __m512i w, const bf16_t* x) {
     acc = _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)_mm512_loadu_si512((const void*)x));
@@ -226,13 +229,14 @@ struct KDot {  // bf16 weights, bf16 activations, vdpbf16ps
 static constexpr bool kHaveDot = false;
 #endif
 
-// software prefetch of the weight stream into L2, this many bytes ahead, when a row meets >= kPrefetchRows
-// activation rows: the dot products then slow the stream enough that the hardware prefetcher falls behind
-// (full decoder forward, one core: 4 rows 14.3 -> 11.5 ms, 6 rows 21.5 -> 14.2 ms, 9 rows 28 -> 20 ms); at 1-2
-// rows the stream is already at memory speed and the extra instructions cost 10-25%. Settable for benchmarks
-// through the module's _set_prefetch (0: off).
+// Software prefetch of the weight stream into L2, g_prefetch bytes ahead, once a weight row meets
+// Kn::kPrefetchFrom activation rows: the dot products then slow the stream enough that the hardware prefetcher
+// falls behind. Full decoder forward, bf16, one core: 4 rows 29 -> 12.7 ms, 6 rows 35 -> 14.5 ms, 9 rows 28 ->
+// 20 ms; at 1-2 bf16 rows the stream already runs at memory speed and the extra instructions cost 5-25%, while
+// float32 (4x the bytes per product) gains ~8% even at 1 row on two cores. g_prefetch_rows, when set, overrides
+// kPrefetchFrom; both are settable through the module's _set_prefetch, for benchmarks.
 static int64_t g_prefetch = 12288;
-static constexpr int kPrefetchRows = 3;
+static int g_prefetch_rows = 0;
 template <typename Kn, int R, int MB, int CH>
 static inline void row_kernel(const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx, float* out,
                               int64_t ldo) {
@@ -243,7 +247,7 @@ static inline void row_kernel(const typename Kn::W* w, int64_t K, const typename
       for (int c = 0; c < CH; c++) acc[r][m][c] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + S * CH <= K; k += S * CH) {
-    if (MB >= kPrefetchRows && g_prefetch)
+    if (g_prefetch && MB >= (g_prefetch_rows ? g_prefetch_rows : Kn::kPrefetchFrom))
       for (int c = 0; c < CH; c++)
         for (int r = 0; r < R; r++)
           _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + c * S) + g_prefetch, _MM_HINT_T1);
@@ -271,13 +275,14 @@ static inline void row_kernel(const typename Kn::W* w, int64_t K, const typename
     }
 }
 
-// One weight row against mb (1..8) activation rows, for 1-3 activation rows: the row is streamed with 4 / 3
-// accumulator chains per activation row (fewer chains leave the dot products latency-bound).
+// One weight row against mb (1..8) activation rows, for 1-3 activation rows: the row is streamed with 8 / 4 / 3
+// accumulator chains per activation row (fewer chains leave the dot products latency-bound: 4 activation rows
+// with 1 chain each took 22 ms per forward on one core, with 2 chains 14 ms).
 template <typename Kn>
 static inline void row_any(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
                            float* out, int64_t ldo) {
   switch (mb) {
-    case 1: row_kernel<Kn, 1, 1, 4>(w, K, X, ldx, out, ldo); break;
+    case 1: row_kernel<Kn, 1, 1, 8>(w, K, X, ldx, out, ldo); break;
     case 2: row_kernel<Kn, 1, 2, 4>(w, K, X, ldx, out, ldo); break;
     case 3: row_kernel<Kn, 1, 3, 3>(w, K, X, ldx, out, ldo); break;
     case 4: row_kernel<Kn, 1, 4, 2>(w, K, X, ldx, out, ldo); break;
@@ -895,7 +900,10 @@ struct Model {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("have_avx512_bf16") = lowlat::kHaveDot;
-  m.def("_set_prefetch", [](int64_t bytes) { lowlat::g_prefetch = bytes; }, "GEMV L2 prefetch distance (benchmarks)");
+  m.def("_set_prefetch", [](int64_t bytes, int64_t from_rows) {
+    lowlat::g_prefetch = bytes;
+    lowlat::g_prefetch_rows = int(from_rows);
+  }, "GEMV L2 prefetch: distance in bytes (0: off), from how many activation rows on (0: per kernel kind)");
   pybind11::class_<lowlat::Model>(m, "Model")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool, int64_t,
                           int64_t, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
