@@ -132,6 +132,24 @@ def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from:
 
 # ---------------------------------------------------------------- training loop
 
+def load_train_state(out_dir: str, head, opt, resume: bool, log=print) -> tuple[int, list, int, int]:
+    """(optimizer step, history, epoch, index within the epoch) from out_dir/train_state.pt when resuming,
+    else a fresh start; loads the head and optimizer state in place."""
+    path = os.path.join(out_dir, "train_state.pt")
+    if not (resume and os.path.exists(path)):
+        return 0, [], 0, 0
+    st = torch.load(path, weights_only=False)
+    head.load_state_dict(st["head"])
+    opt.load_state_dict(st["opt"])
+    log(f"resumed at optimizer step {st['step']} (epoch {st['epoch']}, item {st['index']})")
+    return st["step"], st["history"], st["epoch"], st["index"]
+
+
+def save_train_state(out_dir: str, head, opt, step: int, history: list, epoch: int, index: int, cfg):
+    torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                "epoch": epoch, "index": index, "config": asdict(cfg)}, os.path.join(out_dir, "train_state.pt"))
+
+
 def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConfig, resume: bool = True,
                      log=print) -> DraftHead:
     """target: the loaded target model (LlamaModel); sequences: [{"prompt_ids", "output_ids"}]."""
@@ -171,18 +189,10 @@ def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConf
         prog = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
         return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
 
-    state_path = os.path.join(out_dir, "train_state.pt")
-    step, history, start_epoch, start_index = 0, [], 0, 0
-    if resume and os.path.exists(state_path):
-        st = torch.load(state_path, weights_only=False)
-        head.load_state_dict(st["head"])
-        opt.load_state_dict(st["opt"])
-        step, history, start_epoch, start_index = st["step"], st["history"], st["epoch"], st["index"]
-        log(f"resumed at optimizer step {step} (epoch {start_epoch}, sequence {start_index})")
+    step, history, start_epoch, start_index = load_train_state(out_dir, head, opt, resume, log)
 
     def checkpoint(epoch, index):
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                    "epoch": epoch, "index": index, "config": asdict(cfg)}, state_path)
+        save_train_state(out_dir, head, opt, step, history, epoch, index, cfg)
 
     train_tokens = 0
     t1 = time.perf_counter()

@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from lanner.layers.attention import build_attention_metadata
 from lanner.spec.draft_head import DraftHead
-from lanner.train.hass import ttt_forward
+from lanner.train.hass import load_train_state, save_train_state, ttt_forward
 
 TARGET_ONLY = 0  # "k" of the sequence the target wrote alone
 
@@ -260,14 +260,7 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total_steps = max(1, cfg.epochs * len(groups) // cfg.grad_accum)
-    state_path = os.path.join(out_dir, "train_state.pt")
-    step, history, start_epoch, start_index = 0, [], 0, 0
-    if resume and os.path.exists(state_path):
-        st = torch.load(state_path, weights_only=False)
-        head.load_state_dict(st["head"])
-        opt.load_state_dict(st["opt"])
-        step, history, start_epoch, start_index = st["step"], st["history"], st["epoch"], st["index"]
-        log(f"resumed at optimizer step {step} (epoch {start_epoch}, prompt {start_index})")
+    step, history, start_epoch, start_index = load_train_state(out_dir, head, opt, resume, log)
 
     def lr_at(s):  # linear warmup, then linear decay to 10%
         if s < cfg.warmup_steps:
@@ -275,8 +268,7 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
         return cfg.lr * max(0.1, 1 - (s - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
 
     def checkpoint(epoch, index):
-        torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                    "epoch": epoch, "index": index, "config": asdict(cfg)}, state_path)
+        save_train_state(out_dir, head, opt, step, history, epoch, index, cfg)
 
     t1 = time.perf_counter()
     head.train()
