@@ -57,11 +57,11 @@ class LLMEngine:
         self.load_s = time.perf_counter() - t0
         ctx = self.model_config.max_context
         self.max_model_len = min(config.max_model_len or ctx, ctx)
-        per_token = ModelRunner.bytes_per_token(self.model_config, config.torch_dtype)
+        per_token = ModelRunner.bytes_per_token(self.model, config.torch_dtype)
         draft_kind, draft_model = self._load_draft() if config.spec == "draft" else (None, None)
         if draft_model is not None:  # the draft's pool shares the target's block tables, so it shares the budget
-            geometry = draft_model.model_cfg if draft_kind == "head" else draft_model.cfg
-            per_token += ModelRunner.bytes_per_token(geometry, config.torch_dtype)
+            per_token += ModelRunner.bytes_per_token(draft_model.model_cfg if draft_kind == "head" else draft_model,
+                                                     config.torch_dtype)
         kv_bytes = config.kv_cache_bytes(per_token, already_used=self.plugin_bytes)
         self.num_blocks = kv_bytes // (per_token * config.block_size)
         if self.num_blocks < 2:

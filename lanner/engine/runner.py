@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 from lanner.layers.attention import build_attention_metadata
@@ -21,21 +23,28 @@ class SeqChunk:
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype, device, capture_layers=(),
                  plugins: PluginRuntime | None = None, role: str = "target"):
-        cfg = model.cfg
         self.plugins, self.role = plugins, role  # role: "target" | "draft" (Step.model for plugin dispatch)
         # layers whose outputs the last run() keeps in self.features ([T, len * hidden]), for draft heads
         self.capture_layers = tuple(capture_layers)
         self.features: torch.Tensor | None = None
         self.model, self.block_size, self.device = model, block_size, device
-        # one tensor for the whole pool: [layers, k|v, slots, kv_heads, head_dim]; zero-filled because padded
-        # attention rows read slots that were never written (masked, but 0 * NaN would still poison them)
-        self.kv = torch.zeros(cfg.num_layers, 2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=dtype, device=device)
-        self.kv_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(cfg.num_layers)]
+        # per layer, the cache tensors the model asks for (K and V for Llama; a latent + index-key cache for MLA/DSA),
+        # [slots, *per-token shape]; zero-filled because padded attention rows read slots that were never written
+        # (masked, but 0 * NaN would still poison them)
+        slots = num_blocks * block_size
+        self.kv_caches = [tuple(torch.zeros(slots, *shape, dtype=dtype, device=device) for shape in layer)
+                          for layer in model.kv_cache_shapes()]
 
     @staticmethod
-    def bytes_per_token(cfg, dtype) -> int:
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    def bytes_per_token(model_or_cfg, dtype) -> int:
+        """KV bytes one token takes on this rank: from the model's cache shapes, or a dense ModelConfig's geometry."""
+        if hasattr(model_or_cfg, "kv_cache_shapes"):
+            shapes = model_or_cfg.kv_cache_shapes()
+        else:
+            c = model_or_cfg
+            shapes = [((c.num_kv_heads, c.head_dim),) * 2] * c.num_layers
+        elems = sum(math.prod(s) for layer in shapes for s in layer)
+        return elems * torch.finfo(dtype).bits // 8
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk], kind: StepKind | None = None) -> torch.Tensor:

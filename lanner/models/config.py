@@ -13,6 +13,12 @@ SUPPORTED_ARCHITECTURES = {
     "mistral": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
+    # MoE feed-forward over Llama-style dense attention
+    "Qwen3MoeForCausalLM": "llama",
+    "MixtralForCausalLM": "llama",
+    # MLA + DeepSeek sparse attention (lightning indexer) + MoE
+    "DeepseekV32ForCausalLM": "deepseek",
+    "GlmMoeDsaForCausalLM": "deepseek",
 }
 
 
@@ -47,12 +53,14 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    family: str = "llama"  # which model class runs it (lanner.models.loader.MODEL_CLASSES)
+    hf: dict = field(default_factory=dict, repr=False)  # the raw HF config: family-specific fields are read from it
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
         arch = archs[0]
-        check_architecture(arch)
+        family = check_architecture(arch)
         heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         eos = cfg.get("eos_token_id")
@@ -66,7 +74,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or cfg.get("moe_intermediate_size"),
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -81,6 +89,8 @@ class ModelConfig:
             sliding_window=window,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            family=family,
+            hf=dict(cfg),
         )
 
     @property

@@ -9,9 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lanner.distributed import shard_range, tp_size
+from lanner.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallel_logits
 from lanner.layers.attention import AttentionMetadata, paged_attention
 from lanner.layers.rotary import RotaryEmbedding, apply_rotary
 from lanner.models.config import ModelConfig
+from lanner.models.weights import load_checkpoint
 
 
 class RMSNorm(nn.Module):
@@ -28,10 +31,15 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        # under TP each rank takes whole KV groups (a KV head and the query heads that read it)
+        D, Hkv, group = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        if tp_size() > Hkv:
+            raise ValueError(f"tp={tp_size()} exceeds the model's {Hkv} KV heads; use tp <= {Hkv}")
+        s, e = shard_range(Hkv)
+        self.num_kv_heads, self.num_heads, self.head_dim = e - s, (e - s) * group, D
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [(Hkv, group * D), (Hkv, D), (Hkv, D)],
+                                             bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear([(Hkv, group * D)], cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -50,9 +58,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.inter = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [(inter, 1), (inter, 1)])
+        self.down_proj = RowParallelLinear([(inter, 1)], cfg.hidden_size)
+        self.inter = self.down_proj.in_features  # this rank's share
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
@@ -82,10 +91,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, freq_factors: torch.Tensor | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size, [(cfg.vocab_size, 1)])
         self.freq_factors = freq_factors
 
     def init_rotary(self, device):
@@ -106,46 +115,27 @@ class LlamaModel(nn.Module):
                 captured[i] = x
         return self.norm(x), [captured[i] for i in capture_layers]
 
+    def kv_cache_shapes(self) -> list[tuple[tuple[int, ...], ...]]:
+        """Per layer, the per-token shape of each cache tensor this rank keeps (here K and V of its KV heads)."""
+        a = self.layers[0].self_attn
+        return [((a.num_kv_heads, a.head_dim), (a.num_kv_heads, a.head_dim))] * len(self.layers)
+
     def compute_logits(self, hidden):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return parallel_logits(hidden, weight, self.cfg.vocab_size)
 
-    @torch.no_grad()
+    def checkpoint_name(self, name: str) -> tuple[str, int] | None:
+        """HF checkpoint name -> (parameter name, piece of a fused parameter), or None to skip it."""
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        parts = name.split(".")
+        fused = self.FUSED.get(parts[-2]) if len(parts) >= 2 else None
+        if fused is None:
+            return name, 0
+        parts[-2] = fused[0]
+        return ".".join(parts), fused[1]
+
     def load_weights(self, weights):
         """weights: iterable of (HF checkpoint name, tensor)."""
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue
-            parts = name.split(".")
-            fused = self.FUSED.get(parts[-2]) if len(parts) >= 2 else None
-            if fused is not None:
-                parts[-2] = fused[0]
-                target = params[".".join(parts)]
-                sizes = self._shard_sizes(fused[0])
-                start = sum(sizes[: fused[1]])
-                target[start : start + sizes[fused[1]]].copy_(tensor)
-                loaded.add((".".join(parts), fused[1]))
-            else:
-                if name not in params:
-                    raise KeyError(f"unexpected weight {name!r} in checkpoint")
-                params[name].copy_(tensor)
-                loaded.add((name, 0))
-        expected = set()
-        for pname in params:
-            base = pname.split(".")[-2]
-            n = len(self._shard_sizes(base)) if base in ("qkv_proj", "gate_up_proj") else 1
-            expected |= {(pname, i) for i in range(n)}
-        missing = sorted({p for p, _ in expected - loaded})
-        if missing:
-            raise KeyError(f"checkpoint is missing weights: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-
-    def _shard_sizes(self, fused_name):
-        cfg = self.cfg
-        if fused_name == "qkv_proj":
-            return [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+        load_checkpoint(self, weights)

@@ -146,14 +146,26 @@ def load_config(source: ModelSource):
     return ModelConfig.from_hf(cfg), None, None
 
 
+# model family (ModelConfig.family) -> "module:class"; each class takes (ModelConfig, freq_factors) and has
+# forward(input_ids, positions, kv_caches, meta, capture_layers), compute_logits, kv_cache_shapes, checkpoint_name,
+# load_weights and init_rotary
+MODEL_CLASSES = {
+    "llama": "lanner.models.llama:LlamaModel",
+    "deepseek": "lanner.models.deepseek:DeepseekModel",
+}
+
+
+def model_class(cfg: ModelConfig):
+    module, _, name = MODEL_CLASSES[cfg.family].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def load_model(source: ModelSource, dtype: torch.dtype, device: str, loaded_config=None):
     """Returns (model, ModelConfig). Builds on the meta device, materializes once, then copies weights in.
     loaded_config: what load_config(source) returned, when the caller already read it."""
-    from lanner.models.llama import LlamaModel
-
     cfg, freq_factors, reader = loaded_config or load_config(source)
     with torch.device("meta"):
-        model = LlamaModel(cfg, freq_factors)
+        model = model_class(cfg)(cfg, freq_factors)
     model = model.to_empty(device=device).to(dtype)
     weights = _gguf_weights(reader, cfg) if reader is not None else _hf_weights(source.path)
     model.load_weights(weights)

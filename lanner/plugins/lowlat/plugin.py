@@ -28,7 +28,9 @@ class LowLatPlugin(Plugin):
     isa: "auto" (AVX512_BF16 dot products when the CPU has them) or "avx512f" (bf16 -> fp32 shifts + FMA)."""
 
     name = "lowlat"
-    architectures = tuple(sorted(SUPPORTED_ARCHITECTURES))
+    # dense Llama-family models only: the kernel has no MoE feed-forward and no MLA
+    architectures = tuple(sorted(a for a, f in SUPPORTED_ARCHITECTURES.items()
+                                 if f == "llama" and a not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")))
     OPTIONS = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int, "isa": str}
 
     def __init__(self, **options):
@@ -64,7 +66,7 @@ class LowLatPlugin(Plugin):
     # ------------------------------------------------------------------ contract
     def supports(self, model_config) -> bool:
         c = model_config
-        return (c.architecture in SUPPORTED_ARCHITECTURES and c.head_dim % 16 == 0 and c.head_dim <= 512
+        return (c.architecture in self.architectures and c.head_dim % 16 == 0 and c.head_dim <= 512
                 and c.num_heads % c.num_kv_heads == 0)
 
     def check(self, model_config, hardware: Hardware) -> None:
