@@ -280,15 +280,15 @@ def run_chat(args):
 
 @subcommand
 def add_bench(sub):
-    from lanner.bench import fixed, latency, replay, sessions, throughput
+    from lanner.bench import fixed, kv, latency, replay, sessions, throughput
 
     p = new_parser(sub, "bench", "Measure latency and throughput.",
                    "Measure Lanner's speed. Each benchmark prints a markdown table and writes a JSON file and "
                    "a PNG chart.")
-    bench = p.add_subparsers(dest="benchmark", metavar="{latency,throughput,replay,fixed,make-sessions}",
+    bench = p.add_subparsers(dest="benchmark", metavar="{latency,throughput,replay,fixed,make-sessions,kv}",
                              required=True)
     for module, name in ((latency, "latency"), (throughput, "throughput"), (replay, "replay"), (fixed, "fixed"),
-                         (sessions, "make-sessions")):
+                         (sessions, "make-sessions"), (kv, "kv")):
         b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
         module.add_arguments(b)
         add_engine_args(b)

@@ -28,6 +28,9 @@ class AttentionMetadata:
     ctx_lens: list[int] | None = None
     block_tables: list[list[int]] | None = None
     block_size: int = 0
+    # training-free sparse decode attention (lanner.kvcache.quest): given the padded queries and gathered keys,
+    # returns the mask of the tokens each decode query may read; None: dense attention
+    sparse: object | None = None
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -47,9 +50,12 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
         kp, vp = k_cache[s:e].unsqueeze(0), v_cache[s:e].unsqueeze(0)
     else:
         kp, vp = k_cache[meta.kv_slots], v_cache[meta.kv_slots]
+    mask = meta.mask
+    if meta.sparse is not None and Qmax == 1:
+        mask = meta.sparse.decode_mask(qp, kp, meta)
     out = F.scaled_dot_product_attention(
         qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-        attn_mask=meta.mask, is_causal=meta.is_causal, scale=scale, enable_gqa=True,
+        attn_mask=mask, is_causal=meta.is_causal, scale=scale, enable_gqa=True,
     )  # [B, H, Qmax, D]
     out = out.transpose(1, 2).reshape(B * Qmax, H * D)
     return out if meta.q_dest is None else out[meta.q_dest]
