@@ -14,6 +14,7 @@ from lanner.distributed.layers import ColumnParallelLinear, RowParallelLinear, V
 from lanner.layers.attention import AttentionMetadata, paged_attention
 from lanner.layers.rotary import RotaryEmbedding, apply_rotary
 from lanner.models.config import ModelConfig
+from lanner.models.moe import FusedMoE
 from lanner.models.weights import load_checkpoint
 
 
@@ -68,13 +69,48 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class DecoderLayer(nn.Module):
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    """Whether layer i has a sparse MoE feed-forward, by each HF model's rule (Mixtral: all; Qwen3-MoE: every
+    decoder_sparse_step-th layer not in mlp_only_layers)."""
+    hf = cfg.hf
+    if cfg.architecture == "MixtralForCausalLM":
+        return True
+    if cfg.architecture == "Qwen3MoeForCausalLM":
+        return ((hf.get("num_experts") or hf.get("num_local_experts") or 0) > 0
+                and i not in (hf.get("mlp_only_layers") or []) and (i + 1) % hf.get("decoder_sparse_step", 1) == 0)
+    return False
+
+
+class MoE(nn.Module):
+    """Sparse feed-forward: a replicated router, softmax over all experts, top-k, then (Mixtral always, Qwen3-MoE
+    with norm_topk_prob) the k weights renormalized to sum to 1; the experts are a FusedMoE."""
+
     def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hf = cfg.hf
+        mixtral = cfg.architecture == "MixtralForCausalLM"
+        num_experts = hf.get("num_experts") or hf["num_local_experts"]
+        self.top_k = hf["num_experts_per_tok"]
+        self.renormalize = mixtral or bool(hf.get("norm_topk_prob", False))
+        self.gate = nn.Linear(cfg.hidden_size, num_experts, bias=False)
+        self.experts = FusedMoE(num_experts, cfg.hidden_size,
+                                cfg.intermediate_size if mixtral else hf["moe_intermediate_size"])
+
+    def forward(self, x):
+        probs = F.softmax(F.linear(x, self.gate.weight), dim=-1, dtype=torch.float)  # float32, as HF routes
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, ids, weights)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if is_moe_layer(cfg, index) else MLP(cfg)
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
@@ -92,7 +128,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size, [(cfg.vocab_size, 1)])
         self.freq_factors = freq_factors
@@ -129,6 +165,12 @@ class LlamaModel(nn.Module):
         name = name.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
             return None
+        if ".experts." in name:  # MoE: layers.{i}.mlp.experts.{e}.{proj}.weight (Mixtral: block_sparse_moe, w1/w2/w3)
+            layer, _, rest = name.replace(".block_sparse_moe.", ".mlp.").partition(".experts.")
+            expert, proj, _ = rest.split(".")
+            leaf, piece = FusedMoE.checkpoint_piece(int(expert), proj)
+            return f"{layer}.experts.{leaf}", piece
+        name = name.replace(".block_sparse_moe.gate.", ".mlp.gate.")  # Mixtral's router
         parts = name.split(".")
         fused = self.FUSED.get(parts[-2]) if len(parts) >= 2 else None
         if fused is None:

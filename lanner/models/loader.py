@@ -1,6 +1,7 @@
 """Load a model from a Hugging Face folder, a GGUF file, or the bundled default (SmolLM2-135M GGUF)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -50,6 +51,8 @@ class ModelSource:
 # ---------------------------------------------------------------- Hugging Face folders
 
 def _hf_weights(folder):
+    """Streams (name, tensor) over the folder's safetensors shards. Block-FP8 weights (float8, e.g. e4m3fn, with a
+    `<name>_scale_inv` companion, DeepSeek-V3 style) come out dequantized; their scales are never yielded."""
     from safetensors import safe_open
 
     index = os.path.join(folder, "model.safetensors.index.json")
@@ -59,10 +62,57 @@ def _hf_weights(folder):
         files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no .safetensors weights (PyTorch .bin checkpoints are not supported)")
-    for f in files:
-        with safe_open(os.path.join(folder, f), framework="pt") as st:
-            for name in st.keys():
-                yield name, st.get_tensor(name)
+    with contextlib.ExitStack() as stack:
+        # headers only (tensors are memory-mapped on demand), so a scale is found in whichever shard holds it
+        handles = {f: stack.enter_context(safe_open(os.path.join(folder, f), framework="pt")) for f in files}
+        where = {name: f for f, h in handles.items() for name in h.keys()}
+        scales = {n for n in where if n.endswith("_scale_inv")}
+        orphans = sorted(n for n in scales if n.removesuffix("_scale_inv") not in where)
+        if orphans:
+            raise ValueError(f"{folder}: block-FP8 scales without their weight: {orphans[:4]}")
+        block = None
+        for f in files:
+            for name in handles[f].keys():
+                if name in scales:
+                    continue
+                tensor, scale = handles[f].get_tensor(name), name + "_scale_inv"
+                if tensor.dtype in _FP8 or scale in where:
+                    if tensor.dtype not in _FP8:
+                        raise ValueError(f"{folder}: {name!r} has a {scale!r} but is {tensor.dtype}, not FP8")
+                    if scale not in where:
+                        raise ValueError(f"{folder}: FP8 weight {name!r} has no {scale!r} (block scales are "
+                                         "required; per-tensor or per-channel FP8 formats are not supported)")
+                    block = block or _fp8_block_size(folder)
+                    try:
+                        tensor = dequantize_block_fp8(tensor, handles[where[scale]].get_tensor(scale), block)
+                    except ValueError as e:
+                        raise ValueError(f"{folder}: FP8 weight {name!r}: {e}") from e
+                yield name, tensor
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _fp8_block_size(folder) -> tuple[int, int]:
+    with open(os.path.join(folder, "config.json")) as f:
+        q = json.load(f).get("quantization_config") or {}
+    bo, bi = q.get("weight_block_size") or (128, 128)
+    return int(bo), int(bi)
+
+
+def dequantize_block_fp8(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w: [out, in] float8; scale: [ceil(out / bo), ceil(in / bi)], one factor per block (edge blocks are
+    partial). Returns float32 w * scale."""
+    bo, bi = block
+    if w.dim() != 2:
+        raise ValueError(f"block-FP8 weights must be 2-D, got shape {tuple(w.shape)}")
+    out, inp = w.shape
+    want = (-(-out // bo), -(-inp // bi))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"scale shape {tuple(scale.shape)}, expected {want} for weight {tuple(w.shape)} in "
+                         f"{bo}x{bi} blocks")
+    s = scale.float().repeat_interleave(bo, 0)[:out].repeat_interleave(bi, 1)[:, :inp]
+    return w.float() * s
 
 
 # ---------------------------------------------------------------- GGUF
