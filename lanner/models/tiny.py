@@ -1,0 +1,60 @@
+"""Tiny random-weight DeepSeek-V3.2 / GLM-5 checkpoints (Hugging Face folders) for tests and benchmarks.
+
+Weights are drawn at unit scale (not HF's 0.02 init) so attention, indexer scores and routing are far from
+uniform: a wrong selection, rope layout or routing shows up as a large logit difference, not a 1e-6 one.
+32 indexer heads: with few ReLU heads some index scores are exactly 0 and top-k ties at 0 are broken
+arbitrarily (transformers' own choice then depends on the sequence length).
+"""
+from __future__ import annotations
+
+import torch
+
+_COMMON = dict(
+    vocab_size=160, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+    first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
+    v_head_dim=24, index_topk=16, index_head_dim=16, index_n_heads=32, max_position_embeddings=512,
+    routed_scaling_factor=2.5, norm_topk_prob=True, bos_token_id=0, eos_token_id=1,
+)
+
+TINY_CONFIGS = {
+    # YaRN with mscale != mscale_all_dim, so both the cos/sin attention factor and the softmax-scale correction
+    # are exercised; 2 expert groups of 4 with 1 kept, so group-limited routing matters
+    "deepseek_v32": dict(
+        _COMMON, num_hidden_layers=3, n_group=2, topk_group=1,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 0.707,
+                         "beta_fast": 32, "beta_slow": 1},
+    ),
+    # layers 1 and 3 reuse the selection of the indexer layer before them
+    "glm_moe_dsa": dict(
+        _COMMON, num_hidden_layers=4, n_group=1, topk_group=1, rms_norm_eps=1e-5,
+        indexer_types=["full", "shared", "full", "shared"],
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    ),
+}
+
+
+def make_tiny_model(arch: str, out_dir: str, seed: int = 0, **overrides) -> str:
+    """Writes config.json + model.safetensors of a tiny random `arch` model ("deepseek_v32" | "glm_moe_dsa")
+    to out_dir and returns out_dir. overrides: config fields."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(TINY_CONFIGS)}")
+    cfg = AutoConfig.for_model(arch, **(TINY_CONFIGS[arch] | overrides))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.2 * torch.randn_like(p))
+            else:  # fan-in scaled: every projection's output is O(1)
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # large enough to change some expert choices
+                b.copy_(0.1 * torch.randn_like(b))
+    model.save_pretrained(out_dir)
+    return out_dir
