@@ -7,6 +7,11 @@
   shared device pool: batch b = b recorded requests decoding side by side (their entries are distinct logical
   addresses); reports hit rate and scheduling time per step, from batch 1 to the largest batch whose step still
   fits in the pool.
+- `lanner bench kv capacity`: long-context requests (real text) decoded with Quest-sparse attention over four KV
+  systems with the same total device and host budgets: gpu-only, hisparse, ula-dp and ula-tp (2 gloo ranks, each
+  with half of each budget). Per system: requests admitted at once (memory accounting, confirmed by decoding that
+  many together and by the next one failing), decode throughput per batch size (its peak), and time per output
+  token at batch 1-8 (ula: also with the layer-group prefetch); step times are medians over --decode-steps.
 """
 from __future__ import annotations
 
@@ -14,25 +19,30 @@ import json
 import os
 import time
 
-HELP = "KV-cache benchmarks: sparse access traces (trace) and PB-LRU vs exact LRU (lru)"
+HELP = "KV-cache benchmarks: sparse access traces (trace), PB-LRU vs exact LRU (lru), UlaCache capacity (capacity)"
 DESCRIPTION = __doc__
 
 
 def add_arguments(p):
-    p.add_argument("what", choices=["trace", "lru"], help="trace: record a sparse access trace (+ quality); "
-                   "lru: replay a trace through PB-LRU and exact LRU")
+    p.add_argument("what", choices=["trace", "lru", "capacity"],
+                   help="trace: record a sparse access trace (+ quality); lru: replay a trace through PB-LRU and "
+                        "exact LRU; capacity: admitted requests, throughput and TPOT of gpu-only, hisparse, ula-dp "
+                        "and ula-tp")
     p.add_argument("--trace", default="results/kv_trace.jsonl", help="access trace to write (trace) or replay (lru)")
     p.add_argument("--json", default=None, help="results JSON (default: results/bench_kv_<what>.json)")
     p.add_argument("--out-dir", default="results")
     # trace
-    p.add_argument("--docs", type=int, default=4, help="trace: long documents (one request each)")
-    p.add_argument("--doc-tokens", type=int, default=2048, help="trace: tokens per document")
+    p.add_argument("--docs", type=int, default=None,
+                   help="trace: long documents, one request each (default 4); capacity: distinct prompts the "
+                        "requests cycle through (default 2)")
+    p.add_argument("--doc-tokens", type=int, default=2048, help="trace, capacity: tokens per document (prompt)")
     p.add_argument("--steps", type=int, default=64, help="trace: decode steps per document")
-    p.add_argument("--page-size", type=int, default=16, help="trace: Quest page size")
-    p.add_argument("--budget", type=int, default=256, help="trace: tokens each decode query reads")
+    p.add_argument("--page-size", type=int, default=16, help="trace, capacity: Quest page size")
+    p.add_argument("--budget", type=int, default=256, help="trace, capacity: tokens each decode query reads")
     p.add_argument("--quality-budgets", default="128,256,512",
                    help="trace: budgets whose quality vs dense is reported (the first doc only, no trace)")
-    p.add_argument("--group", type=int, default=1, help="trace: layers sharing one selection")
+    p.add_argument("--group", type=int, default=None,
+                   help="layers sharing one selection (trace default 1; capacity default 10: an entry holds them)")
     # lru
     p.add_argument("--slots", type=int, default=0,
                    help="lru: device pool slots (default: 16 steps' worth of one request's entries, so batch 1 "
@@ -41,9 +51,22 @@ def add_arguments(p):
     p.add_argument("--buckets", type=int, default=64, help="lru: PB-LRU buckets")
     p.add_argument("--span", type=int, default=1, help="lru: decode steps per PB-LRU bucket epoch")
     p.add_argument("--repeat", type=int, default=3, help="lru: timing repeats (the minimum is reported)")
+    # capacity
+    p.add_argument("--device-gb", type=float, default=0.2, help="capacity: KV device budget (GiB, all ranks)")
+    p.add_argument("--host-gb", type=float, default=1.0, help="capacity: KV host budget (GiB, all ranks)")
+    p.add_argument("--gen", type=int, default=64, help="capacity: output tokens a request may decode (its size)")
+    p.add_argument("--decode-steps", type=int, default=8, help="capacity: timed decode steps per batch size")
+    p.add_argument("--systems", default="gpu-only,hisparse,ula-dp,ula-tp", help="capacity: systems to run")
+    p.add_argument("--hisparse-buffer", type=int, default=0,
+                   help="capacity: hisparse device buffer per request, tokens per layer group (default 2 x budget)")
+    p.add_argument("--tp-buffer", type=float, default=0.25,
+                   help="capacity: ula-tp share of each rank's device budget for its buffer of selected entries")
+    p.add_argument("--threads", type=int, default=1, help="capacity: torch threads per process (rank)")
 
 
 def run(args, engine_kwargs: dict) -> dict:
+    if args.what == "capacity":
+        return capacity(args, engine_kwargs)
     return record_trace(args, engine_kwargs) if args.what == "trace" else replay_lru(args)
 
 
@@ -64,7 +87,8 @@ def record_trace(args, engine_kwargs: dict) -> dict:
     model, mcfg = load_model(src, cfg.torch_dtype, cfg.device)
     tok = Tokenizer(src, mcfg.eos_token_ids)
     prefix = args.doc_tokens - args.steps - 1
-    docs = long_documents(tok, args.doc_tokens, args.docs)
+    args.group = args.group or 1
+    docs = long_documents(tok, args.doc_tokens, args.docs or 4)
     budgets = [int(b) for b in args.quality_budgets.split(",") if b]
     os.makedirs(os.path.dirname(os.path.abspath(args.trace)), exist_ok=True)
     with tqdm(total=args.steps * (len(docs) + len(budgets)), desc="kv trace", unit="step") as bar:
@@ -174,3 +198,199 @@ def replay_lru(args) -> dict:
                f"scheduling time per decode step ({slots} slots)", "batch", "ms / step")
     print(f"results: {json_path}, {png}")
     return {"rows": rows}
+
+
+# ------------------------------------------------------------------ capacity
+
+SYSTEMS = ("gpu-only", "hisparse", "ula-dp", "ula-tp")
+TPOT_BATCHES = (1, 2, 4, 8)
+TP_RANKS = 2
+
+
+def make_cache(system: str, args, shape, dtype, groups: int):
+    """The system's KV backend under the run's total budgets (ula-tp: this rank's share of each)."""
+    from lanner.kvcache import ula
+
+    if system == "gpu-only":
+        return ula.GpuOnly(shape, dtype, args.device_gb)
+    if system == "hisparse":
+        return ula.HiSparse(shape, dtype, args.device_gb, args.host_gb, args.hisparse_buffer * groups)
+    if system == "ula-dp":
+        return ula.UlaDP(shape, dtype, args.device_gb, args.host_gb)
+    if system == "ula-tp":
+        return ula.UlaTP(shape, dtype, args.device_gb / TP_RANKS, args.host_gb / TP_RANKS, args.tp_buffer)
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+
+
+def measure(model, cache, prompts, args, show: bool = True) -> dict:
+    """Admits as many requests as the cache's accounting allows, decodes them all in one step, then times
+    decode steps per batch size; finally checks that one more request does not fit."""
+    import statistics
+    import time
+
+    from tqdm import tqdm
+
+    from lanner.kvcache.ula import CacheFull, UlaDecoder
+
+    max_len = args.doc_tokens + args.gen
+    dec = UlaDecoder(model, cache, args.page_size, args.budget, args.group, max_len)
+    n = min(cache.max_requests(dec.groups * max_len), cache.max_batch(args.budget, args.page_size))
+    logits = {}
+    bar = tqdm(desc=f"{cache.name}: admit {n}", unit="step", disable=not show)
+
+    def add(i):
+        dec.add(i, prompts[i % len(prompts)], max_len)
+        logits[i] = prompts[i % len(prompts)].logits
+
+    def decode(rids):
+        out = dec.step(rids, [int(logits[r].argmax()) for r in rids])
+        for r, row in zip(rids, out):
+            logits[r] = row
+        bar.update(1)
+
+    for i in range(n):
+        add(i)
+    if n:
+        decode(list(range(n)))  # every admitted request in one step: the accounting holds when running
+    points = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= n} | ({n} if n else set()))
+    tok_s, tpot, tpot_prefetch = {}, {}, {}
+    ula = cache.name.startswith("ula")
+    for b in points:
+        for prefetch in (False, True) if ula and b in TPOT_BATCHES else (False,):
+            dec.set_prefetch(prefetch)
+            rids = sorted(logits, key=dec.length)[:b]  # the least decoded: no request outgrows its max_len
+            bar.set_description(f"{cache.name}: batch {b}{' prefetch' if prefetch else ''}")
+            decode(rids)  # warm-up
+            times = []
+            for _ in range(args.decode_steps):
+                t0 = time.perf_counter()
+                decode(rids)
+                times.append(time.perf_counter() - t0)
+            dt = statistics.median(times)  # the CPU is shared: the median step resists other jobs' bursts
+            if prefetch:
+                tpot_prefetch[b] = dt * 1e3
+            else:
+                tok_s[b], tpot[b] = b / dt, dt * 1e3
+    dec.set_prefetch(False)
+    stats = dict(cache.stats)
+    for attr in ("evicted", "loaded"):
+        store = getattr(cache, "store", None)
+        if store is not None:
+            stats[attr] = getattr(store, attr)
+    # one more request must not fit: refused at admission, or its step's device working set does not fit
+    refused = None
+    try:
+        add(n)
+        decode(list(range(n + 1)))
+    except CacheFull as e:
+        refused = f"{type(e).__name__}: {e}"
+    bar.close()
+    peak = max(tok_s, key=tok_s.get) if tok_s else None
+    return {"system": cache.name, "admitted": n, "next_refused": refused, "peak_tok_s": tok_s.get(peak, 0.0),
+            "peak_batch": peak, "tok_s": tok_s, "tpot_ms": {b: tpot.get(b) for b in TPOT_BATCHES},
+            "tpot_ms_prefetch": {b: tpot_prefetch[b] for b in tpot_prefetch} if ula else None,
+            "device_hit_rate": stats["hits"] / stats["accesses"] if stats.get("accesses") else None,
+            "moves": stats}
+
+
+def _tp_worker(rank, port, model, prompts, args, shape, dtype, groups, out):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    # a process group of its own, not lanner.distributed's TP state: the dense model runs whole on each rank
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP_RANKS,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        row = measure(model, make_cache("ula-tp", args, shape, dtype, groups), prompts, args, show=rank == 0)
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(row, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def capacity(args, engine_kwargs: dict) -> dict:
+    import socket
+    import tempfile
+
+    import torch
+    import torch.multiprocessing as mp
+    from tqdm import tqdm
+
+    from lanner.bench.report import (
+        bar_chart,
+        fmt,
+        markdown_table,
+        output_paths,
+        write_json,
+    )
+    from lanner.config import EngineConfig
+    from lanner.kvcache.quest import long_documents
+    from lanner.kvcache.ula import GpuOnly, UlaDecoder, entry_shape
+    from lanner.models.loader import ModelSource, load_model
+    from lanner.tokenizer import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    args.group = args.group or 10
+    args.hisparse_buffer = args.hisparse_buffer or 2 * args.budget
+    systems = [s for s in args.systems.split(",") if s]
+    cfg = EngineConfig(**engine_kwargs)
+    if cfg.device != "cpu":
+        raise SystemExit("lanner bench kv capacity runs on the CPU (ula-tp uses gloo)")
+    src = ModelSource.resolve(cfg.model)
+    model, mcfg = load_model(src, cfg.torch_dtype, cfg.device)
+    tok = Tokenizer(src, mcfg.eos_token_ids)
+    docs = long_documents(tok, args.doc_tokens, args.docs or 2)
+    shape, dtype = entry_shape(model, args.group), cfg.torch_dtype
+    groups = mcfg.num_layers // args.group
+    max_len = args.doc_tokens + args.gen
+    prefiller = UlaDecoder(model, GpuOnly(shape, dtype, 0), args.page_size, args.budget, args.group, max_len)
+    prompts = [prefiller.run_prefill(d) for d in tqdm(docs, desc="prefill", unit="doc")]  # shared by all requests
+    rows = []
+    for system in systems:
+        if system != "ula-tp":
+            rows.append(measure(model, make_cache(system, args, shape, dtype, groups), prompts, args))
+            continue
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "row.json")
+            # fork: the ranks share the loaded model and the prefilled prompts
+            mp.start_processes(_tp_worker, args=(port, model, prompts, args, shape, dtype, groups, out),
+                               nprocs=TP_RANKS, start_method="fork", join=True)
+            with open(out) as f:
+                row = json.load(f)
+            for key in ("tok_s", "tpot_ms", "tpot_ms_prefetch"):
+                row[key] = {int(b): v for b, v in row[key].items()}
+            rows.append(row)
+    entry_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    headers = ["system", "admitted", "next refused", "peak tok/s (batch)"] + \
+              [f"TPOT ms b={b}" for b in TPOT_BATCHES] + ["ula prefetch TPOT ms b=1..8", "device hit %"]
+    table = []
+    for r in rows:
+        pf = r["tpot_ms_prefetch"]
+        table.append([r["system"], r["admitted"], "yes" if r["next_refused"] else "NO",
+                      f"{r['peak_tok_s']:.1f} ({r['peak_batch']})"] +
+                     [fmt(r["tpot_ms"][b]) for b in TPOT_BATCHES] +
+                     ["/".join(fmt(pf.get(b)) for b in TPOT_BATCHES) if pf else "-",
+                      fmt(None if r["device_hit_rate"] is None else 100 * r["device_hit_rate"])])
+    print(markdown_table(headers, table))
+    result = {"model": src.name, "dtype": cfg.dtype, "device": "cpu", "threads_per_process": args.threads,
+              "doc_tokens": args.doc_tokens, "gen": args.gen, "docs": len(docs), "group": args.group,
+              "budget": args.budget, "page_size": args.page_size, "device_gb": args.device_gb,
+              "host_gb": args.host_gb, "tp_ranks": TP_RANKS, "tp_buffer": args.tp_buffer,
+              "hisparse_buffer_tokens_per_group": args.hisparse_buffer, "entry_shape": list(shape),
+              "entry_bytes": entry_bytes, "request_bytes": entry_bytes * groups * max_len,
+              "page_bounds_bytes_per_request": 2 * 4 * groups * prefiller.pages * shape[2] * shape[3],
+              "decode_steps": args.decode_steps, "rows": rows}
+    json_path, png = output_paths(args.json, args.out_dir, "bench_kv_capacity")
+    write_json(json_path, result)
+    bar_chart(png, [f"{r['system']}\n({r['admitted']} req)" for r in rows], [r["peak_tok_s"] for r in rows],
+              f"peak decode tok/s, same KV budgets ({args.device_gb:g} GiB device, {args.host_gb:g} GiB host)",
+              "tokens / s")
+    print(f"results: {json_path}, {png}")
+    return result

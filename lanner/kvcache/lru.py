@@ -85,6 +85,15 @@ class Policy:
     def slots_of(self, addrs: torch.Tensor) -> torch.Tensor:
         return self.addr_slot[addrs]
 
+    def release(self, addrs: torch.Tensor) -> torch.Tensor:
+        """Drops entries (their request finished): their slots become free ones; returns those slots."""
+        slots = self.addr_slot[addrs]
+        slots = slots[slots >= 0]
+        self._free(slots)
+        self.addr_slot[addrs] = -1
+        self.slot_addr[slots] = -1
+        return slots
+
     @property
     def hit_rate(self) -> float:
         return self.hits / self.accesses if self.accesses else 0.0
@@ -93,6 +102,9 @@ class Policy:
         raise NotImplementedError
 
     def _victims(self, n: int, protected: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _free(self, slots: torch.Tensor):
         raise NotImplementedError
 
 
@@ -107,6 +119,9 @@ class ExactLRU(Policy):
 
     def _touch(self, slots):
         self.last_use[slots] = self.step
+
+    def _free(self, slots):
+        self.last_use[slots] = -1
 
     def _victims(self, n, protected):
         if n == 0:
@@ -156,6 +171,14 @@ class PBLRU(Policy):
         self.word_count.index_put_((self._bucket(slots), w), torch.full_like(w, -1), accumulate=True)
         self.word_count[self.epoch % self.B].index_add_(0, w, torch.ones_like(w))
         self.slot_epoch[slots] = self.epoch
+
+    def _free(self, slots):
+        if slots.numel() == 0:
+            return
+        w = slots // WORD
+        self.word_count.index_put_((self._bucket(slots), w), torch.full_like(w, -1), accumulate=True)
+        self.word_count[self.B].index_add_(0, w, torch.ones_like(w))
+        self.slot_epoch[slots] = -1
 
     def _victims(self, n, protected):
         if n == 0:

@@ -35,6 +35,8 @@ class AttentionMetadata:
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
     """q: [T, H, D]; k, v: [T, Hkv, D] (this step's tokens). Writes k, v to the cache and attends."""
+    if hasattr(meta.sparse, "attend"):  # the KV lives outside this cache (lanner.kvcache.ula): it stores and attends
+        return meta.sparse.attend(q, k, v, meta, scale)
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
     B, Qmax = meta.batch_size, meta.max_q_len

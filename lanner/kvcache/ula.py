@@ -1,0 +1,857 @@
+"""UlaCache: one logical address space for sparse-attention KV across device pools and a host (CPU) tier.
+
+Entries. An entry is one token's KV for one selection group of G layers (the layers that share one sparse
+selection): K and V of those layers, shape [G, 2, Hkv, D] (for an MLA model it would be the latent). Its logical
+address is fixed when its request is admitted: request r owns [base_r, base_r + groups * max_len) and the entry of
+(group g, position p) is base_r + g * max_len + p. The decoder selects and asks for entries by address only.
+
+Mapping. Per logical address two int64 columns say where the entry lives now: `dev` (a slot of the device pool;
+the rank is the caller's own in DP mode, address mod P in TP mode) and `host` (a slot of the host pool). A live
+entry has exactly one of them >= 0 (nothing is stored twice), a free address neither. Moving an entry between
+tiers rewrites these columns, never the address. The `dev` column is the replacement policy's own table
+(lanner.kvcache.lru: PB-LRU). Lookups, moves and updates are tensor ops over index tensors, no per-entry Python.
+
+Moves. A step's needs become a Plan (hits, and the misses with their victims; needed entries are protected).
+The data moves first (victims out to the host, misses in from the host; a new token's entry gets a slot and no
+data), the mapping is committed after. With `poison=True` every slot that loses its entry is filled with NaN
+before anything is written there, so a read that ran ahead of its data turns the model's outputs into NaN.
+
+Systems, behind one interface (open / write / fetch / close) so that one decoder runs them all:
+- GpuOnly: every entry has a device slot from admission to finish; admission is limited by the device pool.
+- HiSparse: the full history lives in the host pool; each request has a fixed device buffer with its own LRU
+  holding clean copies of recently selected entries; new tokens are written through to the host.
+- UlaDP: one TieredStore per rank: device pool + host pool, capacity their sum, PB-LRU over the device pool;
+  an entry evicted from the device moves to the host, a host entry loaded to the device frees its host slot.
+- UlaTP: P ranks (torch.distributed; gloo on CPU); entry a lives on rank a mod P (in that rank's device pool or
+  its host pool), so no rank stores another's history. A computing rank reads its own entries from its pool and
+  keeps a local device buffer of recently selected other ranks' entries (PB-LRU over it: reused when selected
+  again); it fetches only the buffer's misses from their home ranks (one all_gather; a home rank first brings
+  host-tier entries up to its device pool). The buffer's copies are clean caches, not stored entries.
+
+Budgets are bytes (`kv_device_gb`, `kv_host_gb`); the host pool is pinned when CUDA is available.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lanner.kvcache.lru import PBLRU, ExactLRU
+from lanner.layers.attention import AttentionMetadata
+
+GB = 2 ** 30
+
+
+class CacheFull(RuntimeError):
+    """A request does not fit the cache's memory: admission refused."""
+
+
+def entry_shape(model, group: int) -> tuple[int, ...]:
+    """Per-entry shape for a dense model: K and V of the group's G layers, this rank's KV heads."""
+    a = model.layers[0].self_attn
+    return (group, 2, a.num_kv_heads, a.head_dim)
+
+
+def slots_for(gb: float, entry_bytes: int) -> int:
+    return round(gb * GB) // entry_bytes
+
+
+def _new_pool(n: int, shape, dtype, device: str, host: bool, poison: bool) -> torch.Tensor:
+    pin = host and torch.cuda.is_available()  # pinned host memory: asynchronous copies to the GPU
+    t = torch.empty(n, *shape, dtype=dtype, device="cpu" if host else device, pin_memory=pin)
+    return t.fill_(math.nan) if poison else t
+
+
+def _rows_at(sorted_keys: torch.Tensor, values: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+    """values[i] belongs to sorted_keys[i]; -> the values of `wanted` keys (all present)."""
+    return values[torch.searchsorted(sorted_keys, wanted)]
+
+
+class FreeList:
+    """Free slots as a stack tensor: pop / push n slots in a couple of tensor ops."""
+
+    def __init__(self, n: int):
+        self.stack = torch.arange(n - 1, -1, -1)  # slot 0 pops first
+        self.top = n
+
+    def __len__(self):
+        return self.top
+
+    def pop(self, n: int) -> torch.Tensor:
+        if n > self.top:
+            raise CacheFull(f"{n} slots needed, {self.top} free")
+        self.top -= n
+        return self.stack[self.top : self.top + n].clone()
+
+    def push(self, slots: torch.Tensor):
+        n = slots.numel()
+        self.stack[self.top : self.top + n] = slots
+        self.top += n
+
+
+class AddressSpace:
+    """One contiguous range of logical addresses per request; finished requests' ranges are reused first-fit."""
+
+    def __init__(self):
+        self.top, self.holes = 0, []  # holes: sorted [(start, size)]
+
+    def alloc(self, n: int) -> int:
+        for i, (s, size) in enumerate(self.holes):
+            if size >= n:
+                self.holes[i : i + 1] = [(s + n, size - n)] if size > n else []
+                return s
+        s, self.top = self.top, self.top + n
+        return s
+
+    def free(self, start: int, n: int):
+        merged = []
+        for s, size in sorted(self.holes + [(start, n)]):
+            if merged and merged[-1][0] + merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], merged[-1][1] + size)
+            else:
+                merged.append((s, size))
+        self.holes = merged
+
+
+# ------------------------------------------------------------------ one rank's tiered store
+
+class TieredStore:
+    """A device pool + a host pool over local logical addresses; PB-LRU decides what stays on the device."""
+
+    def __init__(self, shape, dtype, dev_slots: int, host_slots: int, device: str = "cpu", poison: bool = False,
+                 buckets: int = 64, dev: torch.Tensor | None = None):
+        if dev_slots <= 0:
+            raise ValueError("the device pool needs at least one slot")
+        self.poison = poison
+        self.dev = _new_pool(dev_slots, shape, dtype, device, False, poison) if dev is None else dev
+        self.host = _new_pool(host_slots, shape, dtype, device, True, poison)
+        self.policy = PBLRU(dev_slots, 0, num_buckets=buckets)  # its addr_slot is the mapping's device column
+        self.host_slot = torch.empty(0, dtype=torch.long)  # the mapping's host column
+        self.live = torch.empty(0, dtype=torch.bool)
+        self.host_free = FreeList(host_slots)
+        self.evicted = self.loaded = 0  # entries moved device -> host, host -> device
+
+    @property
+    def capacity(self) -> int:
+        return self.dev.shape[0] + self.host.shape[0]
+
+    def grow(self, n: int):
+        extra = n - self.host_slot.numel()
+        if extra > 0:
+            self.policy.grow(n)
+            self.host_slot = torch.cat([self.host_slot, self.host_slot.new_full((extra,), -1)])
+            self.live = torch.cat([self.live, self.live.new_zeros(extra)])
+
+    def move(self, addrs: torch.Tensor, fresh: torch.Tensor) -> StoreMove:
+        """Plans making `addrs` device-resident; `fresh` (new entries, no data yet) just get slots."""
+        return StoreMove(self, addrs, fresh)
+
+    def write(self, addrs: torch.Tensor, data: torch.Tensor):
+        """New entries with their data (a prefill), in chunks the device pool can take; older ones spill to host."""
+        chunk = self.dev.shape[0]
+        for i in range(0, addrs.numel(), chunk):
+            a = addrs[i : i + chunk]
+            m = self.move(a, fresh=a)
+            m.run()
+            self.dev[m.slots_of(a)] = data[i : i + chunk].to(self.dev.device)
+            m.finish()
+
+    def release(self, addrs: torch.Tensor):
+        """The entries' request finished: their slots are free again (and poisoned)."""
+        slots = self.policy.release(addrs)
+        hs = self.host_slot[addrs]
+        hs = hs[hs >= 0]
+        self.host_free.push(hs)
+        self.host_slot[addrs] = -1
+        self.live[addrs] = False
+        if self.poison:
+            self.dev[slots] = math.nan
+            self.host[hs] = math.nan
+
+    def read(self, addrs: torch.Tensor) -> torch.Tensor:
+        """The entries' data wherever they live (for checks)."""
+        d, h = self.policy.addr_slot[addrs], self.host_slot[addrs]
+        if not bool(((d >= 0) ^ (h >= 0)).all()):
+            raise KeyError("an entry is not stored exactly once")
+        out = self.dev.new_empty(addrs.numel(), *self.dev.shape[1:])
+        out[d >= 0] = self.dev[d[d >= 0]]
+        out[h >= 0] = self.host[h[h >= 0]].to(out.device)
+        return out
+
+    def check(self):
+        """Invariants: a live entry is in exactly one place, a free address nowhere; slot tables agree."""
+        d, h = self.policy.addr_slot, self.host_slot
+        assert bool((((d >= 0) ^ (h >= 0)) == self.live).all()), "an entry is stored twice or lost"
+        assert bool((((d >= 0) | (h >= 0)) <= self.live).all())
+        hs = h[h >= 0]
+        assert hs.unique().numel() == hs.numel() == self.host.shape[0] - len(self.host_free)
+        assert bool((self.policy.slot_addr[d[d >= 0]] == (d >= 0).nonzero().flatten()).all())
+
+
+class StoreMove:
+    """One step's data movement in a TieredStore: run() copies (optionally a slice of the entry's layers at a
+    time), finish() commits the mapping once the data is in place."""
+
+    def __init__(self, st: TieredStore, addrs: torch.Tensor, fresh: torch.Tensor):
+        self.st = st
+        plan = st.policy.plan(addrs)
+        miss = plan.load_addrs
+        src = st.host_slot[miss]
+        from_host = src >= 0
+        new = miss[~from_host]
+        bad = new[st.live[new] | ~torch.isin(new, fresh)]
+        if bad.numel():
+            raise KeyError(f"entries {bad[:8].tolist()} were never written")
+        self.plan, self.fresh, self.from_host = plan, new, miss[from_host]
+        self.ev_slots = st.policy.addr_slot[plan.evicted_addrs]
+        self.src, self.dst = src[from_host], plan.load_slots[from_host]
+        # host slots for the evicted entries: free ones, else (host full) the ones this move's loads vacate, whose
+        # data is then read whole before the write-back overwrites it
+        n_ev = plan.evicted_addrs.numel()
+        take = min(n_ev, len(st.host_free))
+        self.eager = n_ev - take
+        if self.eager > self.src.numel():
+            raise CacheFull(f"host tier full: {n_ev} evictions, {take} free host slots")
+        self.new_host = torch.cat([st.host_free.pop(take), self.src[: self.eager]])
+        st.host_free.push(self.src[self.eager :])  # free once read: nothing in this move writes them
+        self.started = False
+        slots = st.policy.addr_slot[plan.addrs].clone()
+        slots[~plan.hit] = plan.load_slots
+        self.slots = slots  # device slot of each plan.addrs (sorted)
+
+    def slots_of(self, addrs: torch.Tensor) -> torch.Tensor:
+        return _rows_at(self.plan.addrs, self.slots, addrs)
+
+    def run(self, sl: slice = slice(None)):
+        """Copies the loads' slice `sl` of layers in; the first call also writes the evicted entries out whole
+        (and, poisoning, fills the victim slots with NaN: no part of an old entry stays readable)."""
+        st, dev = self.st, self.st.dev.device
+        if not self.started:
+            self.started = True
+            self.staged = st.host[self.src[: self.eager]].to(dev)
+            st.host[self.new_host] = st.dev[self.ev_slots].to("cpu")
+            if st.poison:
+                st.dev[self.plan.load_slots] = math.nan
+        rest = self.src[self.eager :]
+        st.dev[self.dst[self.eager :], sl] = st.host[rest, sl].to(dev, non_blocking=True)
+        st.dev[self.dst[: self.eager], sl] = self.staged[:, sl]
+        if st.poison:
+            st.host[rest, sl] = math.nan
+
+    def finish(self):
+        st, plan = self.st, self.plan
+        st.policy.commit(plan)
+        st.host_slot[plan.evicted_addrs] = self.new_host
+        st.host_slot[self.from_host] = -1
+        st.live[self.fresh] = True
+        st.evicted += plan.evicted_addrs.numel()
+        st.loaded += self.from_host.numel()
+
+
+# ------------------------------------------------------------------ systems
+
+@dataclass
+class Fetch:
+    """Where a step's selected entries are: pool[slots] ([B, N] rows), the new tokens' rows pool[fresh_slots].
+    run(layers) moves the data (a slice of the group's layers at a time), finish() commits after the group."""
+
+    pool: torch.Tensor
+    slots: torch.Tensor
+    fresh_slots: torch.Tensor
+    run: Callable[[slice], None] = lambda sl=slice(None): None
+    finish: Callable[[], None] = lambda: None
+
+
+class KVBackend:
+    name = "?"
+
+    def __init__(self, shape, dtype, poison: bool = False):
+        self.shape, self.dtype, self.poison = tuple(shape), dtype, poison
+        self.entry_bytes = math.prod(self.shape) * torch.empty((), dtype=dtype).element_size()
+        self.space = AddressSpace()
+        self.requests: dict = {}  # rid -> (base, n)
+        self.stats = {"accesses": 0, "hits": 0}
+
+    def open(self, rid, n: int) -> int:
+        """Admits a request of n entries: returns its base address, or raises CacheFull."""
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already open")
+        self._admit(n)
+        base = self.space.alloc(n)
+        self._grow(self.space.top)
+        self.requests[rid] = (base, n)
+        self._opened(rid, base, n)
+        return base
+
+    def close(self, rid):
+        base, n = self.requests.pop(rid)
+        self._closed(rid, torch.arange(base, base + n))
+        self.space.free(base, n)
+
+    def max_requests(self, n_entries: int) -> int:
+        """Requests of n_entries each that this system's memory holds at once."""
+        raise NotImplementedError
+
+    def max_batch(self, budget: int, page: int) -> int:
+        """Requests one decode step can serve at once: one layer group's selection of each (up to `budget`
+        entries, whole pages) must be on the device together."""
+        raise NotImplementedError
+
+    def _count(self, hits: int, accesses: int):
+        self.stats["hits"] += hits
+        self.stats["accesses"] += accesses
+
+    def _grow(self, top: int):
+        pass
+
+    def _opened(self, rid, base: int, n: int):
+        pass
+
+
+class GpuOnly(KVBackend):
+    name = "gpu-only"
+
+    def __init__(self, shape, dtype, kv_device_gb: float, device: str = "cpu", poison: bool = False):
+        super().__init__(shape, dtype, poison)
+        n = slots_for(kv_device_gb, self.entry_bytes)
+        self.dev = _new_pool(n, self.shape, dtype, device, False, poison)
+        self.free = FreeList(n)
+        self.slot = torch.empty(0, dtype=torch.long)
+        self.capacity = n
+
+    def max_requests(self, n_entries):
+        return self.capacity // n_entries
+
+    def max_batch(self, budget, page):
+        return 1 << 62  # everything is resident
+
+    def _admit(self, n):
+        if n > len(self.free):
+            raise CacheFull(f"gpu-only: {n} entries, {len(self.free)} device slots free")
+
+    def _grow(self, top):
+        self.slot = torch.cat([self.slot, self.slot.new_full((top - self.slot.numel(),), -1)])
+
+    def _opened(self, rid, base, n):
+        self.slot[base : base + n] = self.free.pop(n)
+
+    def _closed(self, rid, addrs):
+        s = self.slot[addrs]
+        self.free.push(s)
+        self.slot[addrs] = -1
+        if self.poison:
+            self.dev[s] = math.nan
+
+    def write(self, addrs, data):
+        self.dev[self.slot[addrs]] = data
+
+    def fetch(self, rids, addrs, valid, fresh) -> Fetch:
+        n = int(valid.sum())
+        self._count(n, n)
+        return Fetch(self.dev, self.slot[addrs], self.slot[fresh])
+
+
+class UlaDP(KVBackend):
+    name = "ula-dp"
+
+    def __init__(self, shape, dtype, kv_device_gb: float, kv_host_gb: float, device: str = "cpu",
+                 poison: bool = False, buckets: int = 64):
+        super().__init__(shape, dtype, poison)
+        self.store = TieredStore(self.shape, dtype, slots_for(kv_device_gb, self.entry_bytes),
+                                 slots_for(kv_host_gb, self.entry_bytes), device, poison, buckets)
+        self.capacity = self.store.capacity
+        self.reserved = 0  # admitted requests' entries: moves never run out of room
+
+    def max_requests(self, n_entries):
+        return self.capacity // n_entries
+
+    def max_batch(self, budget, page):
+        return self.store.dev.shape[0] // budget
+
+    def _admit(self, n):
+        if self.reserved + n > self.capacity:
+            raise CacheFull(f"ula-dp: {n} entries, {self.capacity - self.reserved} of {self.capacity} free")
+
+    def _grow(self, top):
+        self.store.grow(top)
+
+    def _opened(self, rid, base, n):
+        self.reserved += n
+
+    def _closed(self, rid, addrs):
+        self.store.release(addrs)
+        self.reserved -= addrs.numel()
+
+    def write(self, addrs, data):
+        self.store.write(addrs, data)
+
+    def fetch(self, rids, addrs, valid, fresh) -> Fetch:
+        m = self.store.move(torch.unique(addrs), fresh)
+        self._count(int(m.plan.hit.sum()), m.plan.addrs.numel() - fresh.numel())
+        return Fetch(self.store.dev, m.slots_of(addrs), m.slots_of(fresh), m.run, m.finish)
+
+
+class HiSparse(KVBackend):
+    """Full history on the host; per request a fixed device buffer of `buffer_entries` with its own LRU."""
+
+    name = "hisparse"
+
+    def __init__(self, shape, dtype, kv_device_gb: float, kv_host_gb: float, buffer_entries: int,
+                 device: str = "cpu", poison: bool = False):
+        super().__init__(shape, dtype, poison)
+        regions = slots_for(kv_device_gb, self.entry_bytes) // buffer_entries  # 0: admits nothing
+        self.buf_n = buffer_entries
+        self.dev = _new_pool(regions * buffer_entries, self.shape, dtype, device, False, poison)
+        self.host = _new_pool(slots_for(kv_host_gb, self.entry_bytes), self.shape, dtype, device, True, poison)
+        self.regions, self.host_free = FreeList(regions), FreeList(self.host.shape[0])
+        self.host_slot = torch.empty(0, dtype=torch.long)
+        self.lru: dict = {}  # rid -> (region, ExactLRU over the request's local addresses)
+        self.stats["loaded"] = 0
+
+    def max_requests(self, n_entries):
+        return min(self.host.shape[0] // n_entries, self.dev.shape[0] // self.buf_n)
+
+    def max_batch(self, budget, page):
+        return self.dev.shape[0] // self.buf_n if self.buf_n >= budget else 0
+
+    def _admit(self, n):
+        if n > len(self.host_free) or len(self.regions) == 0:
+            raise CacheFull(f"hisparse: {n} entries, {len(self.host_free)} host slots and "
+                            f"{len(self.regions)} device buffers free")
+
+    def _grow(self, top):
+        self.host_slot = torch.cat([self.host_slot, self.host_slot.new_full((top - self.host_slot.numel(),), -1)])
+
+    def _opened(self, rid, base, n):
+        self.host_slot[base : base + n] = self.host_free.pop(n)
+        self.lru[rid] = (int(self.regions.pop(1)), ExactLRU(self.buf_n, n))
+
+    def _closed(self, rid, addrs):
+        region, _ = self.lru.pop(rid)
+        hs = self.host_slot[addrs]
+        self.host_free.push(hs)
+        self.regions.push(torch.tensor([region]))
+        self.host_slot[addrs] = -1
+        if self.poison:
+            self.host[hs] = math.nan
+            self.dev[region * self.buf_n : (region + 1) * self.buf_n] = math.nan
+
+    def write(self, addrs, data):
+        self.host[self.host_slot[addrs]] = data.to("cpu")
+
+    def fetch(self, rids, addrs, valid, fresh) -> Fetch:
+        slots, fresh_slots = torch.empty_like(addrs), torch.empty_like(fresh)
+        src, dst, victims, plans = [], [], [], []
+        for b, rid in enumerate(rids):  # one LRU per request: a loop over requests, not entries
+            base = self.requests[rid][0]
+            region, pol = self.lru[rid]
+            local, lf = addrs[b] - base, fresh[b : b + 1] - base
+            plan = pol.plan(local)
+            s = pol.addr_slot[plan.addrs].clone()
+            s[~plan.hit] = plan.load_slots
+            s += region * self.buf_n
+            slots[b], fresh_slots[b] = _rows_at(plan.addrs, s, local), _rows_at(plan.addrs, s, lf)[0]
+            old = plan.load_addrs != lf  # the new token has nothing on the host yet
+            src.append(self.host_slot[plan.load_addrs[old] + base])
+            dst.append(plan.load_slots[old] + region * self.buf_n)
+            victims.append(plan.load_slots + region * self.buf_n)
+            plans.append((pol, plan))
+            self._count(int(plan.hit.sum()), plan.addrs.numel() - 1)
+        src, dst, victims = torch.cat(src), torch.cat(dst), torch.cat(victims)
+        self.stats["loaded"] += src.numel()
+        started = []
+
+        def run(sl=slice(None)):
+            if self.poison and not started:
+                self.dev[victims] = math.nan  # whole entries: no part of an old one stays readable
+            started.append(sl)
+            self.dev[dst, sl] = self.host[src, sl].to(self.dev.device, non_blocking=True)  # clean copies
+
+        def finish():
+            for pol, plan in plans:
+                pol.commit(plan)
+            self.host[self.host_slot[fresh]] = self.dev[fresh_slots].to("cpu")  # write-through: full history on host
+
+        return Fetch(self.dev, slots, fresh_slots, run, finish)
+
+
+def _all_gather_rows(x: torch.Tensor, sizes: list[int] | None = None, group=None) -> list[torch.Tensor]:
+    """Every rank's rows of x (row counts may differ) -> one tensor per rank. Sent as bytes: gloo lacks bf16."""
+    P = dist.get_world_size(group)
+    if sizes is None:
+        n = torch.tensor([x.shape[0]])
+        ns = [torch.zeros_like(n) for _ in range(P)]
+        dist.all_gather(ns, n, group=group)
+        sizes = [int(v) for v in ns]
+    row = math.prod(x.shape[1:])
+    if max(sizes) == 0:
+        return [x.new_empty(0, *x.shape[1:]) for _ in sizes]
+    flat = x.reshape(x.shape[0], row).contiguous().view(torch.uint8)
+    buf = flat.new_zeros(max(sizes), flat.shape[1])
+    buf[: x.shape[0]] = flat
+    parts = [torch.empty_like(buf) for _ in range(P)]
+    dist.all_gather(parts, buf, group=group)
+    return [p[:s].view(x.dtype).view(s, *x.shape[1:]) for p, s in zip(parts, sizes)]
+
+
+class UlaTP(KVBackend):
+    """TP mode: entry a lives on rank a mod P (in its home pool on the device or in its host pool).
+
+    Each rank's device memory is one tensor: its home pool's slots, then its buffer's. A step reads its own
+    entries straight from the home pool (host-tier ones are brought up first) and the other ranks' entries from
+    the buffer, which keeps clean copies of recently selected ones (PB-LRU: reused when selected again); only the
+    buffer's misses are fetched, from their home ranks, in one all_gather (per slice of layers when prefetching).
+
+    Every rank calls open/write/fetch/close with the same arguments in the same order: under TP every rank runs
+    the same step. The dense stand-in here runs the whole model on every rank, as every MLA rank reads the whole
+    latent entry, so a new token's entry is computed on every rank and its home rank stores it without a
+    transfer. Per-rank budgets: `kv_device_gb` (`buffer_frac` of it for the buffer) and `kv_host_gb`."""
+
+    name = "ula-tp"
+
+    def __init__(self, shape, dtype, kv_device_gb: float, kv_host_gb: float, buffer_frac: float = 0.25,
+                 device: str = "cpu", poison: bool = False, buckets: int = 64, group=None):
+        super().__init__(shape, dtype, poison)
+        self.group = group
+        self.P, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        ndev = slots_for(kv_device_gb, self.entry_bytes)
+        nbuf = slots_for(kv_device_gb * buffer_frac, self.entry_bytes)
+        self.nhome = ndev - nbuf
+        if nbuf <= 0 or self.nhome <= 0:
+            raise ValueError(f"ula-tp: {ndev} device slots cannot hold both a home pool and a buffer")
+        self.dev = _new_pool(ndev, self.shape, dtype, device, False, poison)
+        self.store = TieredStore(self.shape, dtype, self.nhome, slots_for(kv_host_gb, self.entry_bytes), device,
+                                 poison, buckets, dev=self.dev[: self.nhome])
+        self.bufpol = PBLRU(nbuf, 0, num_buckets=buckets)
+        self.capacity = self.P * self.store.capacity
+        self.reserved = 0  # per rank: a request's entries spread over the ranks, at most ceil(n / P) here
+        self.stats.update(remote=0)
+
+    def max_requests(self, n_entries):
+        return self.store.capacity // -(-n_entries // self.P)
+
+    def max_batch(self, budget, page):
+        # a selection is whole pages (the last one partial): at most ceil(page / P) of a page's entries per rank
+        per_rank = budget // page * -(-page // self.P)
+        return min(self.nhome, self.bufpol.num_slots) // per_rank
+
+    def _admit(self, n):
+        if self.reserved + -(-n // self.P) > self.store.capacity:
+            raise CacheFull(f"ula-tp: {n} entries, {self.store.capacity - self.reserved} of {self.store.capacity} "
+                            f"free on rank {self.rank}")
+
+    def _grow(self, top):
+        self.store.grow(-(-top // self.P))
+        self.bufpol.grow(top)
+
+    def _opened(self, rid, base, n):
+        self.reserved += -(-n // self.P)
+
+    def _closed(self, rid, addrs):
+        self.store.release(addrs[addrs % self.P == self.rank] // self.P)
+        s = self.bufpol.release(addrs)
+        if self.poison:
+            self.dev[self.nhome + s] = math.nan
+        self.reserved -= -(-addrs.numel() // self.P)
+
+    def write(self, addrs, data):
+        mine = addrs % self.P == self.rank  # every rank computed the prefill: each keeps its share
+        self.store.write(addrs[mine] // self.P, data[mine])
+
+    def fetch(self, rids, addrs, valid, fresh) -> Fetch:
+        P, rank = self.P, self.rank
+        need = torch.unique(addrs)
+        own = need % P == rank
+        plan = self.bufpol.plan(need[~own])  # plan.addrs == need[~own]
+        miss = plan.load_addrs
+        want = miss[~torch.isin(miss, fresh)]  # a remote new token's entry was computed here too
+        union = torch.unique(torch.cat(_all_gather_rows(want, group=self.group)))  # what any rank misses
+        homes = [union[union % P == r] for r in range(P)]
+        served = homes[rank]
+        own_hits = int((self.store.policy.addr_slot[need[own] // P] >= 0).sum())
+        # own entries and the ones others asked for: resident in the home pool (host-tier ones brought up)
+        m = self.store.move(torch.cat([need[own], served]) // P, fresh=fresh[fresh % P == rank] // P)
+        bs = self.bufpol.addr_slot[plan.addrs].clone()
+        bs[~plan.hit] = plan.load_slots
+        rows = torch.empty_like(need)
+        rows[own] = m.slots_of(need[own] // P)
+        rows[~own] = self.nhome + bs
+        served_slots = m.slots_of(served // P)
+        keys = torch.cat(homes)
+        order = keys.argsort()
+        at = order[torch.searchsorted(keys[order], want)]  # row of each wanted entry in the gathered data
+        dst = self.nhome + _rows_at(plan.addrs, bs, want)
+        sizes = [h.numel() for h in homes]
+        self._count(own_hits + int(plan.hit.sum()), need.numel() - fresh.numel())
+        self.stats["remote"] += want.numel()
+        started = []
+
+        def run(sl=slice(None)):
+            m.run(sl)
+            data = torch.cat(_all_gather_rows(self.store.dev[served_slots, sl], sizes, self.group))
+            if self.poison and not started:
+                self.dev[self.nhome + plan.load_slots] = math.nan  # whole entries, as in StoreMove
+            started.append(sl)
+            self.dev[dst, sl] = data[at]
+
+        def finish():
+            m.finish()
+            self.bufpol.commit(plan)
+
+        return Fetch(self.dev, _rows_at(need, rows, addrs), _rows_at(need, rows, fresh), run, finish)
+
+
+# ------------------------------------------------------------------ sparse decoding over a backend
+
+def quest_pages(qp, kmax, kmin, ctx, page: int, budget: int) -> torch.Tensor:
+    """qp: [B, 1, H, D]; kmax/kmin: [B, P, Hkv, D] float32 page bounds; ctx: [B]. -> keep [B, P] bool.
+    The same arithmetic as QuestSelector.decode_mask, so the selection is the same."""
+    B, P, Hkv, D = kmax.shape
+    q = qp[:, 0].float().view(B, Hkv, qp.shape[2] // Hkv, D)
+    bound = torch.maximum(q[:, None] * kmax[:, :, :, None], q[:, None] * kmin[:, :, :, None])  # [B,P,Hkv,g,D]
+    score = bound.nan_to_num(neginf=-math.inf).sum(dim=(2, 3, 4))
+    pages_valid = -(-ctx // page)
+    page_ids = torch.arange(P)[None, :]
+    score = score.masked_fill(page_ids >= pages_valid[:, None], -math.inf)
+    score[torch.arange(B), pages_valid - 1] = math.inf  # the query's own page
+    keep = torch.zeros(B, P, dtype=torch.bool)
+    keep.scatter_(1, score.topk(min(budget // page, P), dim=1).indices, True)
+    return keep & (page_ids < pages_valid[:, None])
+
+
+@dataclass
+class Prefilled:
+    """A prompt's dense prefill: its entries, its page bounds and its last token's logits."""
+
+    tokens: int
+    entries: torch.Tensor  # [groups, n, G, 2, Hkv, D]
+    kmax: torch.Tensor  # [groups, pages, Hkv, D] float32
+    kmin: torch.Tensor
+    logits: torch.Tensor  # [V] float32
+
+
+@dataclass
+class _Req:
+    row: int
+    base: int
+    max_len: int
+    len: int
+
+
+@dataclass
+class _Step:
+    rids: list
+    rows: torch.Tensor
+    pos: torch.Tensor
+    bases: torch.Tensor
+    max_lens: torch.Tensor
+    fetch: Fetch | None = None
+    mask: torch.Tensor | None = None
+    pending: object = None
+    selected: list = field(default_factory=list)  # per group: (positions [B, N], valid [B, N])
+
+
+class UlaDecoder:
+    """Quest-sparse decoding (lanner.kvcache.quest's selection) of a batch of sequences whose KV lives in a
+    KVBackend. Prefill is dense (one sequence from position 0) and writes its entries through the backend; a
+    decode step writes the new tokens' entries and, per layer group, fetches only the selected entries and
+    attends over them. The selection reads per-page key bounds of the group's first layer (float32, kept
+    resident per request like a sparse model's indexer keys; outside the KV budgets).
+
+    prefetch: at a group's first layer, move layer 0's part of the fetched entries, hand the later layers' parts
+    to a worker thread and compute meanwhile (a GPU would use a copy stream); the next layer waits for them."""
+
+    def __init__(self, model, cache: KVBackend, page_size: int = 16, budget: int = 256, group: int = 10,
+                 max_len: int = 4096, prefetch: bool = False):
+        L = model.cfg.num_layers
+        if L % group:
+            raise ValueError(f"group {group} does not divide the model's {L} layers")
+        if budget < page_size:
+            raise ValueError("budget must be >= page_size")
+        self.model, self.cache, self.page, self.budget = model, cache, page_size, budget
+        self.G, self.groups, self.max_len = group, L // group, max_len
+        shape = entry_shape(model, group)
+        if tuple(cache.shape) != shape:
+            raise ValueError(f"cache entries are {cache.shape}, the model's are {shape}")
+        self.Hkv, self.D = shape[2], shape[3]
+        self.pages = -(-max_len // page_size)
+        self.kmax = torch.empty(0, self.groups, self.pages, self.Hkv, self.D)
+        self.kmin = torch.empty_like(self.kmax)
+        self.free_rows: list[int] = []
+        self.reqs: dict = {}
+        self.worker = None
+        self.set_prefetch(prefetch)
+        self.no_kv = [(None, None)] * L
+        self.mode, self.calls, self.step_state, self.captured = None, 0, None, []
+
+    def set_prefetch(self, on: bool):
+        if on and self.worker is None and self.G > 1:
+            self.worker = ThreadPoolExecutor(1)
+        elif not on and self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
+
+    # ---- requests
+
+    @torch.inference_mode()
+    def run_prefill(self, tokens: list[int]) -> Prefilled:
+        n, G, ng = len(tokens), self.G, self.groups
+        self.mode, self.calls, self.captured = "prefill", 0, []
+        meta = AttentionMetadata(slot_mapping=None, batch_size=1, max_q_len=n, kv_slots=None, kv_range=None,
+                                 mask=None, is_causal=True, q_dest=None, sparse=self)
+        h, _ = self.model(torch.tensor(tokens), torch.arange(n), self.no_kv, meta)
+        logits = self.model.compute_logits(h[-1:]).float()[0]
+        k = torch.stack([c[0] for c in self.captured])  # [L, n, Hkv, D]
+        v = torch.stack([c[1] for c in self.captured])
+        self.captured = []
+        entries = torch.stack([k, v], 2).view(ng, G, n, 2, self.Hkv, self.D).transpose(1, 2).contiguous()
+        kf = k[::G].float()  # each group's first layer: the one its selection reads
+        P = -(-n // self.page)
+        pad = (0, 0, 0, 0, 0, P * self.page - n)
+        kmax = F.pad(kf, pad, value=-math.inf).view(ng, P, self.page, self.Hkv, self.D).amax(2)
+        kmin = F.pad(kf, pad, value=math.inf).view(ng, P, self.page, self.Hkv, self.D).amin(2)
+        return Prefilled(n, entries, kmax, kmin, logits)
+
+    def add(self, rid, pre: Prefilled, max_len: int):
+        """Admits a request whose prompt was prefilled (raises CacheFull) and writes its entries."""
+        if max_len > self.max_len or pre.tokens >= max_len:
+            raise ValueError(f"max_len {max_len}: the decoder takes up to {self.max_len}, the prompt has "
+                             f"{pre.tokens} tokens")
+        base = self.cache.open(rid, self.groups * max_len)
+        if not self.free_rows:
+            n = max(4, self.kmax.shape[0])
+            self.free_rows = list(range(self.kmax.shape[0] + n - 1, self.kmax.shape[0] - 1, -1))
+            self.kmax = torch.cat([self.kmax, self.kmax.new_empty(n, *self.kmax.shape[1:])])
+            self.kmin = torch.cat([self.kmin, self.kmin.new_empty(n, *self.kmin.shape[1:])])
+        row = self.free_rows.pop()
+        P = pre.kmax.shape[1]
+        self.kmax[row], self.kmin[row] = -math.inf, math.inf
+        self.kmax[row, :, :P], self.kmin[row, :, :P] = pre.kmax, pre.kmin
+        n = pre.tokens
+        addrs = (base + torch.arange(self.groups)[:, None] * max_len + torch.arange(n)).flatten()
+        self.cache.write(addrs, pre.entries.reshape(self.groups * n, *self.cache.shape))
+        self.reqs[rid] = _Req(row, base, max_len, n)
+
+    def prefill(self, rid, tokens: list[int], max_len: int) -> torch.Tensor:
+        pre = self.run_prefill(tokens)
+        self.add(rid, pre, max_len)
+        return pre.logits
+
+    def close(self, rid):
+        self.cache.close(rid)
+        self.free_rows.append(self.reqs.pop(rid).row)
+
+    def length(self, rid) -> int:
+        return self.reqs[rid].len
+
+    # ---- decode
+
+    @torch.inference_mode()
+    def step(self, rids: list, tokens: list[int]) -> torch.Tensor:
+        """One decode token per request -> float32 logits [B, V]."""
+        reqs = [self.reqs[r] for r in rids]
+        if any(r.len >= r.max_len for r in reqs):
+            raise ValueError("a request reached its max_len")
+        if len(reqs) > self.cache.max_batch(self.budget, self.page):  # scheduled by the worst case, not by luck
+            raise CacheFull(f"{self.cache.name}: a step of {len(reqs)} requests may need more device slots than "
+                            f"there are (up to {self.cache.max_batch(self.budget, self.page)} requests)")
+        t = lambda xs: torch.tensor(xs, dtype=torch.long)
+        st = _Step(list(rids), t([r.row for r in reqs]), t([r.len for r in reqs]), t([r.base for r in reqs]),
+                   t([r.max_len for r in reqs]))
+        self.mode, self.calls, self.step_state = "decode", 0, st
+        meta = AttentionMetadata(slot_mapping=None, batch_size=len(reqs), max_q_len=1, kv_slots=None, kv_range=None,
+                                 mask=None, is_causal=False, q_dest=None, sparse=self)
+        h, _ = self.model(t(tokens), st.pos, self.no_kv, meta)
+        for r in reqs:
+            r.len += 1
+        return self.model.compute_logits(h).float()
+
+    @property
+    def selected(self) -> list:
+        """The last step's selection per group: per sequence, the positions it read."""
+        return [[idx[b][valid[b]] for b in range(idx.shape[0])] for idx, valid in self.step_state.selected]
+
+    def attend(self, q, k, v, meta, scale):
+        """Called by paged_attention for every layer (meta.sparse is this decoder)."""
+        layer = self.calls
+        self.calls += 1
+        T, H, D = q.shape
+        if self.mode == "prefill":
+            self.captured.append((k, v))
+            out = F.scaled_dot_product_attention(q[None].transpose(1, 2), k[None].transpose(1, 2),
+                                                 v[None].transpose(1, 2), is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+            return out.transpose(1, 2).reshape(T, H * D)
+        st = self.step_state
+        g, j = divmod(layer, self.G)
+        if j == 0:
+            self._select(st, g, q, k)
+        if j == 1 and st.pending is not None:
+            st.pending.result()
+            st.pending = None
+        f = st.fetch
+        f.pool[f.fresh_slots, j, 0] = k  # the new tokens' entries are written through the cache ...
+        f.pool[f.fresh_slots, j, 1] = v
+        kp, vp = f.pool[f.slots, j, 0], f.pool[f.slots, j, 1]  # ... and read back with the selected ones
+        out = F.scaled_dot_product_attention(q.view(T, 1, H, D).transpose(1, 2), kp.transpose(1, 2),
+                                             vp.transpose(1, 2), attn_mask=st.mask, scale=scale, enable_gqa=True)
+        if j == self.G - 1:
+            f.finish()
+        return out.transpose(1, 2).reshape(T, H * D)
+
+    def _select(self, st: _Step, g: int, q, k):
+        B, H, D = q.shape
+        page = st.pos // self.page
+        kf = k.float()
+        self.kmax[st.rows, g, page] = torch.maximum(self.kmax[st.rows, g, page], kf)
+        self.kmin[st.rows, g, page] = torch.minimum(self.kmin[st.rows, g, page], kf)
+        ctx = st.pos + 1
+        L = int(ctx.max())
+        P = -(-L // self.page)
+        keep = quest_pages(q.view(B, 1, H, D), self.kmax[st.rows, g, :P], self.kmin[st.rows, g, :P], ctx,
+                           self.page, self.budget)
+        tok = keep.repeat_interleave(self.page, 1)[:, :L] & (torch.arange(L)[None, :] < ctx[:, None])
+        N = int(tok.sum(1).max())
+        idx = torch.where(tok, torch.arange(L), L).sort(1).values[:, :N]  # positions in order, padded with L
+        valid = idx < L
+        first = st.bases + g * st.max_lens  # address of position 0 of this group
+        fresh = first + st.pos
+        addrs = torch.where(valid, first[:, None] + idx, fresh[:, None])  # padding reads the new token (masked)
+        st.mask = None if bool(valid.all()) else valid[:, None, None, :]
+        st.selected.append((idx, valid))
+        f = self.cache.fetch(st.rids, addrs, valid, fresh)
+        if self.worker is None:
+            f.run(slice(None))
+        else:
+            f.run(slice(0, 1))
+            st.pending = self.worker.submit(_in_inference, f.run, slice(1, self.G))
+        st.fetch = f
+
+
+def _in_inference(fn, *args):
+    with torch.inference_mode():
+        return fn(*args)
+
+
+class UlaSession:
+    """One sequence over a KVBackend, fed like quest.SparseSession: the prompt first, then one token at a time."""
+
+    def __init__(self, model, cache: KVBackend, max_len: int, page_size: int = 16, budget: int = 256,
+                 group: int = 1, prefetch: bool = False):
+        self.dec = UlaDecoder(model, cache, page_size, budget, group, max_len, prefetch)
+        self.max_len, self.len = max_len, 0
+
+    def feed(self, tokens: list[int]) -> torch.Tensor:
+        if self.len == 0:
+            logits = self.dec.prefill(0, tokens, self.max_len)[None]
+        elif len(tokens) == 1:
+            logits = self.dec.step([0], tokens)
+        else:
+            raise ValueError("after the prompt, feed one token at a time")
+        self.len += len(tokens)
+        return logits
