@@ -41,8 +41,20 @@ def new_parser(sub, name: str, help: str, description: str | None = None) -> arg
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
-def add_engine_args(p: argparse.ArgumentParser):
-    """The EngineConfig options; defaults come from EngineConfig so they are stated once."""
+def tp_sizes(text: str) -> list[int]:
+    """'2' or '1,2' -> [2] / [1, 2] (argparse type of --tp)."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or a comma list like 1,2; got {text!r}")
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"tensor-parallel sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
+    """The EngineConfig options; defaults come from EngineConfig so they are stated once. tp_sweep: --tp takes a
+    comma list of sizes to compare (benchmarks)."""
     g = p.add_argument_group("engine options")
     g.add_argument("--model", default=None,
                    help="Hugging Face model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
@@ -60,6 +72,14 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
     g.add_argument("--max-queue-len", type=int, default=_ENGINE_DEFAULTS["max_queue_len"],
                    help="waiting requests beyond which new ones are refused")
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument("--tp", type=tp_sizes, default=None, metavar="N[,N]" if tp_sweep else "N",
+                   help=("tensor-parallel sizes to run and compare, e.g. 1,2" if tp_sweep else
+                         "tensor-parallel size: N processes, each holding a shard of every layer (Lanner starts "
+                         "them; under torchrun it is WORLD_SIZE)") + " (default: 1, or WORLD_SIZE under torchrun)")
+    g.add_argument("--tp-timeout", type=float, default=_ENGINE_DEFAULTS["tp_timeout_s"], metavar="SECONDS",
+                   help="longest wait of any tensor-parallel collective: a rank that dies or hangs is an error "
+                        "within it")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--spec", choices=["ngram", "draft"], default=None,
                    help="draft proposer: n-gram prompt lookup, or a draft (--draft) head/model; default: off")
@@ -90,12 +110,34 @@ def engine_kwargs(args) -> dict:
                   enable_prefix_caching=not args.no_prefix_caching, max_queue_len=args.max_queue_len,
                   spec=args.spec, draft=args.draft, spec_tokens=args.spec_tokens,
                   spec_max_batch=args.spec_max_batch, plugin=args.plugin,
-                  plugin_options=plugin_options(args.plugin_option) or None, plugin_verify=args.plugin_verify)
+                  plugin_options=plugin_options(args.plugin_option) or None, plugin_verify=args.plugin_verify,
+                  tp=tp_size_arg(args), tp_timeout_s=args.tp_timeout)
     try:
         EngineConfig(**kwargs)
         ModelSource.resolve(args.model)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")
+    return kwargs
+
+
+def tp_size_arg(args) -> int:
+    """The single tensor-parallel size of a command (the first of a benchmark's list): --tp, else torchrun's
+    WORLD_SIZE, else 1. Under torchrun --tp must equal WORLD_SIZE."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sizes = args.tp or [world]
+    if len(sizes) > 1 and not getattr(args, "tp_sweep", False):
+        sys.exit("lanner: error: --tp takes one size here (a list is for 'bench latency' and 'bench memory')")
+    if world > 1 and sizes != [world]:
+        sys.exit(f"lanner: error: under torchrun (WORLD_SIZE={world}) --tp must be {world}, got "
+                 f"{','.join(map(str, sizes))}")
+    return sizes[0]
+
+
+def single_process(kwargs: dict, command: str) -> dict:
+    """Commands that run the model outside the engine's step loop (training) or hold two engines at once cannot
+    use tensor parallelism (one group per process, driven by the step loop)."""
+    if kwargs["tp"] != 1:
+        sys.exit(f"lanner: error: {command} does not support tensor parallelism (--tp {kwargs['tp']})")
     return kwargs
 
 
@@ -280,19 +322,20 @@ def run_chat(args):
 
 @subcommand
 def add_bench(sub):
-    from lanner.bench import fixed, kv, latency, replay, sessions, throughput
+    from lanner.bench import fixed, kv, latency, memory, replay, sessions, throughput
 
     p = new_parser(sub, "bench", "Measure latency and throughput.",
                    "Measure Lanner's speed. Each benchmark prints a markdown table and writes a JSON file and "
                    "a PNG chart.")
-    bench = p.add_subparsers(dest="benchmark", metavar="{latency,throughput,replay,fixed,make-sessions,kv}",
+    bench = p.add_subparsers(dest="benchmark", metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory}",
                              required=True)
     for module, name in ((latency, "latency"), (throughput, "throughput"), (replay, "replay"), (fixed, "fixed"),
-                         (sessions, "make-sessions"), (kv, "kv")):
+                         (sessions, "make-sessions"), (kv, "kv"), (memory, "memory")):
         b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
         module.add_arguments(b)
-        add_engine_args(b)
-        b.set_defaults(run=_bench_runner(module))
+        sweep = name in ("latency", "memory")  # these compare tensor-parallel sizes: --tp 1,2
+        add_engine_args(b, tp_sweep=sweep)
+        b.set_defaults(run=_bench_runner(module), tp_sweep=sweep)
 
 
 def _bench_runner(module):
@@ -319,7 +362,7 @@ def add_eval_accept(sub):
 def run_eval_accept(args):
     from lanner.train import eval_accept
 
-    eval_accept.run(args, engine_kwargs(args))
+    eval_accept.run(args, single_process(engine_kwargs(args), "eval-accept"))  # it holds two engines at once
 
 
 # ------------------------------------------------------------------ train-draft
@@ -363,7 +406,7 @@ def run_train_draft(args):
     from lanner.train.data import generate_responses, load_training_data, original_responses, split_sharegpt
     from lanner.train.hass import TrainConfig, train_draft_head
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**single_process(engine_kwargs(args), "train-draft"))
     train, _ = split_sharegpt(args.split_seed)
     path = generate_responses(llm, train[: args.num_prompts], args.data, max_new_tokens=args.max_new_tokens,
                               temperature=args.gen_temperature, split_seed=args.split_seed, train_frac=0.9)
@@ -427,8 +470,9 @@ def run_rcsd(args):
         init = resolve_draft(args.init)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")
-    kwargs = engine_kwargs(args) | {"spec": "draft", "draft": init, "spec_tokens": max(cfg.draft_lengths),
-                                     "spec_max_batch": args.gen_batch, "max_num_seqs": args.gen_batch}
+    kwargs = single_process(engine_kwargs(args), "rcsd") | {
+        "spec": "draft", "draft": init, "spec_tokens": max(cfg.draft_lengths), "spec_max_batch": args.gen_batch,
+        "max_num_seqs": args.gen_batch}
     llm = LLM(**kwargs)
     train, _ = split_sharegpt(args.split_seed)
     rows = generate_sequences(llm, train[: args.num_prompts], args.data, cfg.draft_lengths, args.max_new_tokens,
@@ -517,6 +561,13 @@ def main(argv: list[str] | None = None) -> int:
     from lanner.models.config import UnsupportedModelError
 
     args = build_parser().parse_args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and rank > 0 and hasattr(args, "tp_timeout"):
+        # torchrun: ranks > 0 serve rank 0's engine instead of running the command
+        from lanner.distributed.worker import run_worker
+
+        run_worker(EngineConfig(**engine_kwargs(args)))
+        return 0
     try:
         return args.run(args) or 0
     except UnsupportedModelError as e:

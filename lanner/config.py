@@ -39,6 +39,11 @@ class EngineConfig:
     plugin: str | None = None
     plugin_options: dict | None = None
     plugin_verify: int = 0
+    # tensor parallelism: tp processes, each holding a shard of every layer (rank 0 is this process; Lanner
+    # spawns the others, or they come from torchrun). tp_timeout_s bounds every collective: a rank that dies or
+    # hangs turns into a TPError within it
+    tp: int = 1
+    tp_timeout_s: float = 60.0
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -64,6 +69,17 @@ class EngineConfig:
             raise ValueError("plugin_options: expected {plugin name: {option: value}}")
         if not 1 <= self.spec_tokens <= 8:
             raise ValueError(f"spec_tokens: must be in 1..8, got {self.spec_tokens}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp: must be an integer >= 1, got {self.tp!r}")
+        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) or \
+                not self.tp_timeout_s > 0:
+            raise ValueError(f"tp_timeout_s: must be a positive number of seconds, got {self.tp_timeout_s!r}")
+        if self.tp > 1 and self.device.startswith("cuda"):
+            if self.device not in ("cuda", "cuda:0"):
+                raise ValueError(f"device: with tp={self.tp} rank r runs on cuda:r; give 'cuda', not {self.device!r}")
+            if torch.cuda.device_count() < self.tp:
+                raise ValueError(f"tp: {self.tp} ranks need {self.tp} CUDA devices, torch sees "
+                                 f"{torch.cuda.device_count()}")
         for name in ("max_num_seqs", "max_queue_len", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")

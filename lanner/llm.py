@@ -10,10 +10,22 @@ from lanner.engine.sampling import SamplingParams
 
 
 class LLM:
+    """engine_options: EngineConfig fields, e.g. tp=2 (tensor parallelism: worker processes are started here and
+    stopped by close(), at the end of a `with` block, or at interpreter exit)."""
+
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", device: str | None = None,
                  **engine_options):
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **engine_options))
         self.tokenizer = self.engine.tokenizer
+
+    def close(self):
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -152,6 +152,8 @@ def run(args, engine_options: dict) -> dict:
 
     from lanner.llm import LLM
 
+    if args.tp and len(args.tp) > 1:
+        return run_tp_sweep(args, engine_options, args.tp)
     json_path, png_path = report.output_paths(args.json, args.out_dir, "bench_latency")
     llm = LLM(**engine_options)
     config, source = llm.engine.config, llm.engine.source
@@ -176,10 +178,12 @@ def run(args, engine_options: dict) -> dict:
     runs = {}
     for i, (name, overrides) in enumerate(variants):
         if i:
+            llm.close()  # tensor-parallel workers: one group per process
             del llm
             gc.collect()
             llm = LLM(**{**engine_options, **overrides})
         runs[name] = bench_lanner(llm, prompt_ids, args.max_tokens)
+    llm.close()
     del llm  # on CUDA the engine's KV cache holds most of the free memory: release it before loading HF
     gc.collect()
     if config.device.startswith("cuda"):
@@ -255,3 +259,64 @@ def format_table(result: dict) -> str:
                                              f"first {m['matched_prefix']}/{m['tokens']} match")
             for m in result["greedy_match_vs_hf"])
     return text
+
+
+# ------------------------------------------------------------------ --tp 1,2: tensor-parallel sizes compared
+
+def run_tp_sweep(args, engine_options: dict, sizes: list[int]) -> dict:
+    """Lanner at each tensor-parallel size, one after another in this process (each size starts its own workers).
+    The sizes share the same cores: with T torch threads, each of the N ranks computes with max(1, T // N)."""
+    import torch
+
+    from lanner.llm import LLM
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.exit("lanner: error: bench latency --tp A,B starts its own workers for each size; run it without torchrun")
+    json_path, png_path = report.output_paths(args.json, args.out_dir, "bench_latency_tp")
+    threads = torch.get_num_threads()
+    runs, systems, config = {}, {}, None
+    for n in sizes:
+        name = f"lanner tp={n}"
+        torch.set_num_threads(max(1, threads // n))  # workers take rank 0's count
+        try:
+            with LLM(**engine_options | {"tp": n}) as llm:
+                config, source = llm.engine.config, llm.engine.source
+                prompt_ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+                              for p in PROMPTS[: args.prompts]]
+                print(f"latency: {source.name} ({config.dtype}, {config.device}), tp={n}, "
+                      f"{torch.get_num_threads()} threads per rank, {len(prompt_ids)} prompts x {args.max_tokens} "
+                      "tokens", file=sys.stderr, flush=True)
+                runs[name] = bench_lanner(llm, prompt_ids, args.max_tokens)
+                tp = llm.engine.tp
+                send_us = tp.send_s / tp.steps * 1e6 if tp is not None and tp.steps else 0.0
+                systems[name] = _summary(runs[name]) | {"tp": n, "threads_per_rank": torch.get_num_threads(),
+                                                        "step_send_us": send_us}
+        finally:
+            torch.set_num_threads(threads)
+        s = systems[name]
+        s["ms_per_token"] = 1000 / s["decode_tok_s"] if s["decode_tok_s"] else None
+    base = f"lanner tp={sizes[0]}"
+    for name, s in systems.items():
+        s["speedup_vs_first"] = s["tok_s"] / systems[base]["tok_s"]
+        s["greedy_identical_to_first"] = all(a["token_ids"] == b["token_ids"] for a, b in zip(runs[name], runs[base]))
+    result = {"benchmark": "latency_tp", "model": source.name, "model_path": source.path, "tp_sizes": sizes,
+              "baseline": base, "max_tokens": args.max_tokens, "prompts": PROMPTS[: args.prompts],
+              "env": report.environment(config) | {"torch_threads": threads}, "systems": systems}
+    report.write_json(json_path, result)
+    report.bar_chart(png_path, list(systems), [s["tok_s"] for s in systems.values()],
+                     f"Latency by tensor-parallel size: {source.name}, {config.dtype}, {config.device}",
+                     f"output tok/s (incl. prefill, {args.max_tokens} tokens)")
+    print(format_tp_table(result))
+    print(f"\nwrote {json_path} and {png_path}")
+    return result
+
+
+def format_tp_table(result: dict) -> str:
+    rows = [[name, s["threads_per_rank"], report.fmt(s["tok_s"]), report.fmt(s["ms_per_token"], 2),
+             report.fmt(s["ttft_s"] and s["ttft_s"] * 1000), report.fmt(s["decode_tok_s"]),
+             f"{s['speedup_vs_first']:.2f}x", report.fmt(s["step_send_us"], 0), s["greedy_identical_to_first"]]
+            for name, s in result["systems"].items()]
+    return (report.markdown_table(["system", "threads/rank", "tok/s", "ms/token (decode)", "TTFT ms", "decode tok/s",
+                                   f"vs {result['baseline']}", "step send us", "same tokens"], rows) +
+            "\n\n(medians over prompts; tok/s = output tokens / total time including prefill; step send = rank 0's "
+            "cost of sending one step to the workers)")

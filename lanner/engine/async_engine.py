@@ -13,6 +13,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 
+from lanner.distributed import TPError
 from lanner.engine.llm_engine import LLMEngine, RequestError
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
@@ -47,7 +48,16 @@ class AsyncEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self._thread.is_alive() and not self._stop
+        return self.error is None
+
+    @property
+    def error(self) -> str | None:
+        """Why the engine cannot take requests (a failed tensor-parallel rank, a stopped loop), or None."""
+        if self.engine.failed is not None:
+            return str(self.engine.failed)
+        if not self._thread.is_alive() or self._stop:
+            return "the engine loop is not running"
+        return None
 
     async def generate(self, prompt: str | None, params: SamplingParams | None = None,
                        prompt_ids: list[int] | None = None,
@@ -56,8 +66,8 @@ class AsyncEngine:
         Raises RequestError (validation, or EngineOverloadedError when the queue is full) at the first
         iteration. Leaving early aborts the request: at once on cancellation or aclose(); after a bare
         `break`, only when the event loop finalizes the abandoned generator, so call aclose() there."""
-        if not self.is_healthy:
-            raise EngineDeadError("the engine loop is not running")
+        if self.error is not None:
+            raise EngineDeadError(self.error)
         # validation and tokenization happen here, before anything is queued; a uuid id cannot collide
         req = self.engine.make_request(prompt, params, request_id or f"req-{uuid.uuid4().hex}", prompt_ids)
         queue: asyncio.Queue = asyncio.Queue()
@@ -152,7 +162,12 @@ class AsyncEngine:
             self._streams.pop(cmd[1], None)
 
     def _step(self):
-        for out in self.engine.step():
+        try:
+            outputs = self.engine.step()
+        except TPError as e:  # the engine failed every request and refuses new ones: end the streams with why
+            self._fail_all(str(e))
+            return
+        for out in outputs:
             self._deliver(out)
 
     def _deliver(self, out: RequestOutput):

@@ -5,10 +5,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 
 import torch
 
 from lanner.config import EngineConfig
+from lanner.distributed import TPError, agree_min, tp_disabled, tp_rank, tp_size
+from lanner.distributed.worker import TPGroup
 from lanner.engine.request import Request, RequestOutput
 from lanner.engine.runner import ModelRunner, SeqChunk
 from lanner.engine.sampling import SamplingParams, sample
@@ -35,21 +38,70 @@ class RequestError(ValueError):
         self.param = param
 
 
+def load_target(config: EngineConfig, hardware: Hardware, metrics=None):
+    """What every tensor-parallel rank does alike: choose and check plugins (before any weight loads, so a
+    mismatch costs nothing), load this rank's shard, build the plugins. -> (model, ModelConfig, PluginRuntime or
+    None, bytes the plugins hold)."""
+    source = ModelSource.resolve(config.model)
+    loaded_config = load_config(source)
+    plugins = select_plugins(config.plugin, loaded_config[0], hardware, config.plugin_options)
+    model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config)
+    plugin_bytes = build_plugins(plugins, model, model_config, hardware, metrics)
+    runtime = PluginRuntime(plugins, metrics, config.plugin_verify) if plugins else None
+    return model, model_config, runtime, plugin_bytes
+
+
+def build_plugins(plugins, model, model_config, hardware: Hardware, metrics=None) -> int:
+    """Runs each plugin's build hook; returns the bytes they now hold (taken off the KV budget)."""
+    total, cuda = 0, hardware.kind == "cuda"
+    owned = storage_ptrs(model)
+    for p in plugins:
+        before = torch.cuda.memory_allocated(hardware.device) if cuda else 0
+        p.build(model, model_config, hardware)
+        used = torch.cuda.memory_allocated(hardware.device) - before if cuda else tensor_bytes(p, owned)
+        if metrics is not None:
+            metrics.plugin_build_bytes.labels(p.name).set(used)
+        log.info("plugin %s built: %.1f MiB", p.name, used / 2**20)
+        total += max(0, used)
+    return total
+
+
+def kv_blocks(config: EngineConfig, per_token: int, plugin_bytes: int) -> int:
+    """KV blocks of this rank's budget; under TP the smallest over the ranks, since every rank keeps the same
+    block count (rank 0 hands out the block tables)."""
+    kv_bytes = config.kv_cache_bytes(per_token, already_used=plugin_bytes)
+    return agree_min(kv_bytes // (per_token * config.block_size))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.failed: TPError | None = None  # set when a tensor-parallel rank failed: the engine refuses work
+        if tp_size() > 1:  # module-level TP state: one tensor-parallel engine per process, and no TP=1 beside it
+            raise TPError(f"a tensor-parallel engine (tp={tp_size()}) is already running in this process; "
+                          "close() it before building another engine")
+        self.tp = TPGroup(config) if config.tp > 1 else None
+        try:
+            self._load(config)
+        except BaseException as e:
+            if self.tp is not None:  # stop the workers; a failed worker explains the error better than e does
+                cause = self.tp.explain(e)
+                self.tp.fail(cause or TPError(f"the engine failed to start: {type(e).__name__}: {e}"))
+                if cause is not None and cause is not e:
+                    raise cause from e
+            raise
+        # stops the workers when the engine is dropped or the interpreter exits (holds the group, not the engine)
+        self._finalizer = weakref.finalize(self, self.tp.close) if self.tp is not None else None
+
+    def _load(self, config: EngineConfig):
         torch.manual_seed(config.seed)
         self.source = ModelSource.resolve(config.model)
         self.model_name = config.served_model_name or self.source.name
         t0 = time.perf_counter()
-        loaded_config = load_config(self.source)
         self.metrics = EngineMetrics()
-        # plugins are chosen and checked before any weight loads, so a mismatch costs nothing
-        self.hardware = Hardware.detect(config.device, config.torch_dtype)
-        plugins = select_plugins(config.plugin, loaded_config[0], self.hardware, config.plugin_options)
-        self.model, self.model_config = load_model(self.source, config.torch_dtype, config.device, loaded_config)
-        self.plugin_bytes = self._build_plugins(plugins)
-        self.plugins = PluginRuntime(plugins, self.metrics, config.plugin_verify) if plugins else None
+        self.hardware = Hardware.detect(config.device, config.torch_dtype, tp_size(), tp_rank())
+        self.model, self.model_config, self.plugins, self.plugin_bytes = load_target(config, self.hardware,
+                                                                                     self.metrics)
         # skip_tokenizer: token ids in and out only (like vLLM's skip_tokenizer_init), e.g. for tokenizer-less models
         self.tokenizer = None if config.skip_tokenizer else Tokenizer(self.source, self.model_config.eos_token_ids)
         self.eos_token_ids = self.model_config.eos_token_ids if self.tokenizer is None else \
@@ -62,8 +114,7 @@ class LLMEngine:
         if draft_model is not None:  # the draft's pool shares the target's block tables, so it shares the budget
             per_token += ModelRunner.bytes_per_token(draft_model.model_cfg if draft_kind == "head" else draft_model,
                                                      config.torch_dtype)
-        kv_bytes = config.kv_cache_bytes(per_token, already_used=self.plugin_bytes)
-        self.num_blocks = kv_bytes // (per_token * config.block_size)
+        self.num_blocks = kv_blocks(config, per_token, self.plugin_bytes)
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} leaves room for {self.num_blocks} blocks"
                              + (f" after plugins took {self.plugin_bytes / 2**20:.0f} MiB" if self.plugin_bytes else ""))
@@ -78,41 +129,41 @@ class LLMEngine:
         if config.spec == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
         elif draft_kind == "head":
-            self.proposer = DraftHeadProposer(draft_model, self.model, *args)
+            # the head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
+            embed = self.tp.gather_embedding(self.model) if self.tp is not None else None
+            with tp_disabled():
+                self.proposer = DraftHeadProposer(draft_model, self.model, *args, embed_weight=embed)
         elif draft_kind == "model":
-            self.proposer = DraftModelProposer(draft_model, *args)
+            with tp_disabled():
+                self.proposer = DraftModelProposer(draft_model, *args)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        log.info("loaded %s in %.1fs: %d KV blocks x %d tokens (%.2f GiB), max_model_len %d", self.model_name,
+        log.info("loaded %s in %.1fs: %d KV blocks x %d tokens (%.2f GiB%s), max_model_len %d", self.model_name,
                  self.load_s, self.num_blocks, config.block_size, self.num_blocks * config.block_size * per_token
-                 / 2**30, self.max_model_len)
+                 / 2**30, f" on each of {config.tp} ranks" if config.tp > 1 else "", self.max_model_len)
 
-    def _build_plugins(self, plugins) -> int:
-        """Runs each plugin's build hook; returns the bytes they now hold (taken off the KV budget)."""
-        total, cuda = 0, self.hardware.kind == "cuda"
-        owned = storage_ptrs(self.model)
-        for p in plugins:
-            before = torch.cuda.memory_allocated(self.config.device) if cuda else 0
-            p.build(self.model, self.model_config, self.hardware)
-            used = torch.cuda.memory_allocated(self.config.device) - before if cuda else tensor_bytes(p, owned)
-            self.metrics.plugin_build_bytes.labels(p.name).set(used)
-            log.info("plugin %s built: %.1f MiB", p.name, used / 2**20)
-            total += max(0, used)
-        return total
+    def close(self):
+        """Stops the tensor-parallel workers (a no-op at TP=1). The engine is unusable afterwards under TP."""
+        if self.tp is not None:
+            self.tp.close()
+            if self.failed is None:
+                self.failed = TPError("the engine was closed")
 
     def _load_draft(self):
-        """-> ("head", DraftHead) for an EAGLE-style head folder, else ("model", standalone draft model)."""
+        """-> ("head", DraftHead) for an EAGLE-style head folder, else ("model", standalone draft model).
+        Built outside the tensor-parallel group: drafts run whole on rank 0."""
         path, tcfg = resolve_draft(self.config.draft), self.model_config
-        if is_draft_head(path):
-            head = DraftHead.load(path, self.config.torch_dtype, self.config.device)
-            hc = head.cfg
-            if hc.target_vocab_size != tcfg.vocab_size or hc.hidden_size != tcfg.hidden_size or \
-                    max(hc.feature_layers) >= tcfg.num_layers:
-                raise ValueError(f"draft: the head at {path} was built for another target (vocab "
-                                 f"{hc.target_vocab_size}, hidden {hc.hidden_size}); this model has vocab "
-                                 f"{tcfg.vocab_size}, hidden {tcfg.hidden_size}")
-            return "head", head
-        draft, cfg = load_model(ModelSource.resolve(path), self.config.torch_dtype, self.config.device)
+        with tp_disabled():
+            if is_draft_head(path):
+                head = DraftHead.load(path, self.config.torch_dtype, self.config.device)
+                hc = head.cfg
+                if hc.target_vocab_size != tcfg.vocab_size or hc.hidden_size != tcfg.hidden_size or \
+                        max(hc.feature_layers) >= tcfg.num_layers:
+                    raise ValueError(f"draft: the head at {path} was built for another target (vocab "
+                                     f"{hc.target_vocab_size}, hidden {hc.hidden_size}); this model has vocab "
+                                     f"{tcfg.vocab_size}, hidden {tcfg.hidden_size}")
+                return "head", head
+            draft, cfg = load_model(ModelSource.resolve(path), self.config.torch_dtype, self.config.device)
         if cfg.vocab_size != tcfg.vocab_size:
             raise ValueError(f"draft: its vocabulary ({cfg.vocab_size}) differs from the target's "
                              f"({tcfg.vocab_size}); a draft model must share the tokenizer")
@@ -180,6 +231,8 @@ class LLMEngine:
         return req
 
     def enqueue(self, req: Request):
+        if self.failed is not None:
+            raise TPError(str(self.failed))
         try:
             self.scheduler.add(req)
         except QueueFullError as e:
@@ -200,6 +253,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        if self.failed is not None:
+            raise TPError(str(self.failed))
         preempted_before = self.scheduler.num_preemptions
         items = self.scheduler.schedule(self._spec_tokens if self.proposer is not None else None)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
@@ -212,7 +267,8 @@ class LLMEngine:
             try:
                 spec = [it for it in items if it.num_spec > 0]
                 if spec:
-                    proposals = self.proposer.propose([it.request for it in spec], [it.num_spec for it in spec])
+                    with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
+                        proposals = self.proposer.propose([it.request for it in spec], [it.num_spec for it in spec])
                     for it, (draft, probs) in zip(spec, proposals):
                         it.draft, it.draft_probs = draft, probs
                 chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
@@ -220,7 +276,7 @@ class LLMEngine:
                           for it in items]
                 kind = StepKind.PREFILL if any(it.num_tokens > 1 for it in items) else \
                     StepKind.VERIFY if spec else StepKind.DECODE
-                logits = self.runner.run(chunks, kind)
+                logits = self.runner.run(chunks, kind) if self.tp is None else self.tp.run(self.runner, chunks, kind)
                 emitted, plain_rows, plain_reqs, row = {}, [], [], 0
                 for it in items:
                     if it.draft and it.request.params.unverified_draft:  # accept all; the target adds one token
@@ -240,6 +296,9 @@ class LLMEngine:
                     result = sample(logits[plain_rows], plain_reqs)
                     for r, tok, lp in zip(plain_reqs, result.token_ids, result.logprobs):
                         emitted[id(r)] = (tok, lp)
+            except TPError as e:  # the ranks are out of step: fail everything, refuse new work
+                self._fail_engine(e)
+                raise
             except PluginVerifyError:  # --plugin-verify exists to stop loudly
                 raise
             except Exception as e:  # a bug or a device error: fail this batch, keep serving the rest
@@ -291,6 +350,13 @@ class LLMEngine:
                     outputs.append(self._output(req))
         self._update_gauges()
         return outputs
+
+    def _fail_engine(self, error: TPError):
+        self.failed = error
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            req.error = str(error)
+            self._finish(req, "error")
+        self._update_gauges()
 
     def _record_spec(self, req: Request, proposed: int, accepted: int, emitted: int):
         req.spec_steps += 1

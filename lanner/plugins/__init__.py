@@ -7,11 +7,25 @@ from importlib.metadata import entry_points
 
 import torch
 
-from lanner.plugins.base import (Hardware, Plugin, PluginMismatch, PluginVerifyError, Step,  # noqa: F401
-                                 StepKind)
+from lanner.distributed import any_rank, tp_size
+from lanner.plugins.base import (Hardware, Plugin, PluginCollectiveAbort, PluginMismatch,  # noqa: F401
+                                 PluginVerifyError, Step, StepKind, plugin_all_reduce)
 
 log = logging.getLogger("lanner")
 GROUP = "lanner.plugins"
+# plugins registered in code (tests, notebooks), selectable like installed ones; tensor-parallel workers get
+# a copy (the classes travel by import path)
+_REGISTERED: dict[str, type] = {}
+
+
+def register_plugin(name: str, cls: type):
+    if not (isinstance(cls, type) and issubclass(cls, Plugin)):
+        raise TypeError(f"register_plugin({name!r}): {cls!r} is not a lanner.plugins.Plugin class")
+    _REGISTERED[name] = cls
+
+
+def registered_plugins() -> dict[str, type]:
+    return dict(_REGISTERED)
 
 
 def discover() -> dict:
@@ -20,6 +34,10 @@ def discover() -> dict:
 
 
 def load_plugin(name: str, options: dict | None = None) -> Plugin:
+    if name in _REGISTERED:
+        plugin = _REGISTERED[name](**(options or {}))
+        plugin.name = plugin.name or name
+        return plugin
     eps = discover()
     if name not in eps:
         raise PluginMismatch(f"plugin {name!r} is not installed; installed plugins: {', '.join(sorted(eps)) or 'none'}"
@@ -40,7 +58,7 @@ def select_plugins(spec: str | None, model_config, hardware: Hardware, options: 
         return []
     options = options or {}
     auto = spec == "auto"
-    names = sorted(discover()) if auto else [n.strip() for n in spec.split(",") if n.strip()]
+    names = sorted(set(discover()) | set(_REGISTERED)) if auto else [n.strip() for n in spec.split(",") if n.strip()]
     unknown = set(options) - set(names)
     if unknown and not auto:
         raise PluginMismatch(f"plugin options given for {sorted(unknown)}, which are not selected")
@@ -102,7 +120,9 @@ class PluginRuntime:
 
     verify_steps: for the first N calls of each (plugin, step kind) also run the own forward and raise
     PluginVerifyError beyond tolerance. A plugin that raises during a step is disabled, the step reruns on
-    the own forward, and the failure is logged and counted: no request is lost."""
+    the own forward, and the failure is logged and counted: no request is lost. Under tensor parallelism the
+    ranks agree after each plugin call (one small all-reduce) whether it failed anywhere, so they all fall back
+    together and their collectives stay in line."""
 
     def __init__(self, plugins: list[Plugin], metrics=None, verify_steps: int = 0):
         self.plugins = list(plugins)
@@ -128,13 +148,10 @@ class PluginRuntime:
             try:
                 if not plugin.covers(step):
                     continue
-                out = plugin.forward(step, module, *args)
+                out, error = plugin.forward(step, module, *args), None
             except Exception as e:
-                self.disabled[plugin.name] = f"{type(e).__name__}: {e}"
-                log.exception("plugin %s failed in a %s step; disabled, falling back to the engine's own forward",
-                              plugin.name, kind)
-                if self.metrics is not None:
-                    self.metrics.plugin_failures.labels(plugin.name, kind).inc()
+                out, error = None, e
+            if self._failed_anywhere(plugin, kind, error):
                 break
             key = (plugin.name, kind)
             if self.verified.get(key, 0) < self.verify_steps:
@@ -152,12 +169,10 @@ class PluginRuntime:
         if plugin is None or plugin.compute_logits is None or plugin.name in self.disabled:
             return model.compute_logits(hidden)
         try:
-            out = plugin.compute_logits(step, model, hidden)
+            out, error = plugin.compute_logits(step, model, hidden), None
         except Exception as e:
-            self.disabled[plugin.name] = f"{type(e).__name__}: {e}"
-            log.exception("plugin %s failed computing logits; disabled, falling back", plugin.name)
-            if self.metrics is not None:
-                self.metrics.plugin_failures.labels(plugin.name, "logits").inc()
+            out, error = None, e
+        if self._failed_anywhere(plugin, "logits", error):
             return model.compute_logits(hidden)
         key = (plugin.name, "logits")
         if self.verified.get(key, 0) < self.verify_steps:
@@ -165,6 +180,19 @@ class PluginRuntime:
             self._verify(plugin, step, out, model.compute_logits(hidden), "logits")
         self._count(plugin.name, "logits")
         return out
+
+    def _failed_anywhere(self, plugin: Plugin, kind: str, error: Exception | None) -> bool:
+        """Disables the plugin if its call failed on this rank or (under TP) on any other; True if so."""
+        if tp_size() > 1 and any_rank(error is not None) and error is None:
+            error = PluginCollectiveAbort("the plugin failed on another tensor-parallel rank")
+        if error is None:
+            return False
+        self.disabled[plugin.name] = f"{type(error).__name__}: {error}"
+        log.error("plugin %s failed in a %s step; disabled, falling back to the engine's own forward", plugin.name,
+                  kind, exc_info=error)
+        if self.metrics is not None:
+            self.metrics.plugin_failures.labels(plugin.name, kind).inc()
+        return True
 
     def _verify(self, plugin: Plugin, step: Step, got, want, what: str | None = None):
         what = what or step.kind.value

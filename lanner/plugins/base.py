@@ -11,6 +11,12 @@ never imports vendor code. Its four hooks, in the order of the engine's life:
    model) that is LlamaModel.forward(input_ids, positions, kv_caches, meta, capture_layers) -> (hidden,
    captured); for an EAGLE-style draft head (DRAFT / DRAFT_EXTEND with `step.model == "draft_head"`),
    DraftHead.forward(hidden, embeds, positions, k_cache, v_cache, meta) -> (logits, hidden).
+
+Under tensor parallelism every rank runs its own copy of each plugin on its shard. A plugin's collectives go
+through `plugin_all_reduce(x, timeout_s)`: its wait is shorter than the engine's watchdog (tp_timeout_s), and
+when it times out on any rank every rank raises PluginCollectiveAbort at that same collective, so the engine
+aborts the step everywhere, disables the plugin and reruns the step on its own forward. Between its
+collectives a plugin must not raise on one rank only (the ranks' collectives would no longer line up).
 """
 from __future__ import annotations
 
@@ -65,6 +71,22 @@ class PluginMismatch(RuntimeError):
 
 class PluginVerifyError(RuntimeError):
     """--plugin-verify: the plugin's output differs from the engine's own beyond tolerance."""
+
+
+class PluginCollectiveAbort(RuntimeError):
+    """A plugin collective timed out on some tensor-parallel rank; raised on every rank at the same collective."""
+
+
+def plugin_all_reduce(x: torch.Tensor, timeout_s: float) -> torch.Tensor:
+    """Sums x in place over the tensor-parallel ranks (identity at TP=1) and returns it. Waits at most
+    timeout_s (which must be below the engine's tp_timeout_s); then the ranks agree through one small
+    all-reduce, and if the sum was late on any of them all raise PluginCollectiveAbort."""
+    from lanner.distributed import all_reduce_within, any_rank
+
+    if not any_rank(not all_reduce_within(x, timeout_s)):
+        return x
+    raise PluginCollectiveAbort(f"a plugin collective did not complete within {timeout_s:g} s on every "
+                                "tensor-parallel rank; the step is aborted on all ranks")
 
 
 class Plugin:

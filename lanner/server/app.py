@@ -304,9 +304,10 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health():
-        if engine.is_healthy:
+        error = engine.error
+        if error is None:
             return {"status": "ok"}
-        return JSONResponse({"status": "engine loop is not running"}, status_code=503)
+        return JSONResponse({"status": "unhealthy", "error": error}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
@@ -431,3 +432,4 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, 
         uvicorn.run(build_app(engine, api_key), host=host, port=port, log_level=log_level)
     finally:
         engine.shutdown()
+        engine.engine.close()  # stops tensor-parallel workers

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from numpy.lib.stride_tricks import sliding_window_view
 
 from lanner.engine.runner import ModelRunner, SeqChunk
@@ -93,8 +94,12 @@ class DraftHeadProposer(Proposer):
     forward verified). Draft-extend consumes them; the chain then feeds the head's own hidden state back."""
     name = "draft-head"
 
-    def __init__(self, head, target, num_blocks: int, block_size: int, dtype, device, plugins=None):
+    def __init__(self, head, target, num_blocks: int, block_size: int, dtype, device, plugins=None,
+                 embed_weight: torch.Tensor | None = None):
         self.head, self.target, self.block_size, self.device = head, target, block_size, device
+        # the whole [vocab, hidden] token embedding: under tensor parallelism the target's is a vocab shard whose
+        # lookup is a collective, so the engine passes a gathered copy (the head runs on rank 0 only)
+        self.embed_weight = target.embed_tokens.weight if embed_weight is None else embed_weight
         self.plugins = plugins
         cfg = head.model_cfg
         self.kv = torch.zeros(2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
@@ -103,7 +108,7 @@ class DraftHeadProposer(Proposer):
     @torch.inference_mode()
     def _forward(self, kind, hidden, tokens, positions, q_lens, ctx_lens, tables):
         meta = build_attention_metadata(q_lens, ctx_lens, tables, self.block_size, self.device)
-        emb = self.target.embed_tokens(torch.tensor(tokens, device=self.device))
+        emb = F.embedding(torch.tensor(tokens, device=self.device), self.embed_weight)
         args = (hidden, emb, torch.tensor(positions, device=self.device), self.kv[0], self.kv[1], meta)
         if self.plugins is None:
             return self.head(*args)
