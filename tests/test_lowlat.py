@@ -75,8 +75,9 @@ def test_bf16_within_verify_tolerance():
 
 
 def test_eagle_draft_head_steps():
-    """spec="draft" with the shipped EAGLE-style head: lowlat runs the target's VERIFY steps and the head's
-    DRAFT / DRAFT_EXTEND steps (its linears on lowlat's GEMV), each checked against the own forward."""
+    """spec="draft" with the shipped EAGLE-style head: lowlat runs the target's VERIFY steps, the head's
+    DRAFT_EXTEND steps (its linears on lowlat's GEMV, checked against the own forward) and the greedy chain of
+    DRAFT steps in one C++ call; greedy output equals plain decoding."""
     llm = LLM(dtype="float32", spec="draft", draft="hass", plugin="lowlat", plugin_verify=1000,
               kv_cache_memory="0.25GiB")
     eng = llm.engine
@@ -84,8 +85,50 @@ def test_eagle_draft_head_steps():
     counts = dict(eng.plugins.counts)
     eng.plugins = eng.runner.plugins = eng.proposer.plugins = None
     assert got == [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
-    assert all(counts.get(("lowlat", k), 0) > 5 for k in ("verify", "draft", "draft_extend")), counts
+    assert all(counts.get(("lowlat", k), 0) > 5 for k in ("verify", "draft_chain", "draft_extend")), counts
     assert not any(k[0] == "none" for k in counts), counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_chain_matches_step_by_step(dtype):
+    """The head's k - 1 chained greedy steps in one call give the tokens (and KV) of the step-by-step path the
+    plugin runs otherwise (DraftHead arithmetic with lowlat's GEMV), for 3 rows of different lengths."""
+    from lanner.models.loader import ModelSource, load_model
+    from lanner.spec.draft_head import DraftHead
+    from lanner.spec.drafts import resolve_draft
+
+    target, cfg = load_model(ModelSource.resolve(None), dtype, "cpu")
+    head = DraftHead.load(resolve_draft("hass"), dtype, "cpu")
+    hw = Hardware.detect("cpu", dtype)
+    plug = LowLatPlugin()
+    plug.check(cfg, hw)
+    plug.build(target, cfg, hw)
+    bs, tables, lens, steps = 16, [[4, 0, 9], [1, 2, 3], [5, 6, 7]], [20, 33, 40], 5
+    kv = torch.zeros(2, 10 * bs, head.Hkv, head.D, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    hs, firsts = [], []
+    with torch.inference_mode():
+        for b, n in enumerate(lens):  # draft-extend each row over random features
+            feats = torch.randn(n, 3 * cfg.hidden_size, generator=g).to(dtype)
+            meta = build_attention_metadata([n], [n], [tables[b]], bs, "cpu")
+            logits, out = head(head.fuse(feats), target.embed_tokens(torch.randint(0, 40000, (n,), generator=g)),
+                               torch.arange(n), kv[0], kv[1], meta)
+            hs.append(out[-1])
+            firsts.append(int(head.d2t[logits[-1].float().argmax()]))
+        hidden, kv_ref = torch.stack(hs), kv.clone()
+        want, x, tok, pos = [], hidden, torch.tensor(firsts), list(lens)
+        for _ in range(steps):
+            meta = build_attention_metadata([1] * 3, [p + 1 for p in pos], tables, bs, "cpu")
+            logits, x = plug.forward(Step(StepKind.DRAFT, 3, 3, "draft_head"), head, x, target.embed_tokens(tok),
+                                     torch.tensor(pos), kv_ref[0], kv_ref[1], meta)
+            tok = head.d2t[logits.float().argmax(-1)]
+            want.append(tok.tolist())
+            pos = [p + 1 for p in pos]
+        got = plug.draft_chain(head, target.embed_tokens.weight, hidden, torch.tensor(firsts), torch.tensor(lens),
+                               steps, kv[0], kv[1], tables, bs)
+    assert got.tolist() == [list(r) for r in zip(*want)]
+    tol = 1e-5 if dtype == torch.float32 else 0.07  # bf16: an ulp here and there in the written K/V
+    assert (kv.float() - kv_ref.float()).abs().max().item() <= tol
 
 
 def test_kernels_match_torch(llm32_lowlat):

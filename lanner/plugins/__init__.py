@@ -181,6 +181,26 @@ class PluginRuntime:
         self._count(plugin.name, "logits")
         return out
 
+    def draft_chain(self, step: Step, head, *args):
+        """A draft head's whole greedy chain in one plugin call (no Python between draft steps), from the first
+        active plugin that covers the step and has a `draft_chain(head, *args)` method; None when none does (or
+        it declines, or it failed: then it is disabled), and the caller runs the chain step by step."""
+        for plugin in self.active:
+            chain = getattr(plugin, "draft_chain", None)
+            if chain is None:
+                continue
+            try:
+                if not plugin.covers(step):
+                    continue
+                out, error = chain(head, *args), None
+            except Exception as e:
+                out, error = None, e
+            if self._failed_anywhere(plugin, "draft_chain", error) or out is None:
+                return None
+            self._count(plugin.name, "draft_chain")
+            return out
+        return None
+
     def _failed_anywhere(self, plugin: Plugin, kind: str, error: Exception | None) -> bool:
         """Disables the plugin if its call failed on this rank or (under TP) on any other; True if so."""
         if tp_size() > 1 and any_rank(error is not None) and error is None:

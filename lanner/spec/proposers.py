@@ -141,6 +141,11 @@ class DraftHeadProposer(Proposer):
         active = [i for i in range(len(requests)) if ks[i] > 0]
         sel = torch.tensor(active, dtype=torch.long, device=self.device)
         logits, g, j = logits[sel], g[sel], 0
+        chained = self._chain(requests, active, ks, logits, g)
+        if chained is not None:
+            for i, d in zip(active, chained):
+                drafts[i] = d
+            return [(d, None) for d in drafts]
         while active:
             for row, i in zip(logits, active):
                 params = requests[i].params
@@ -163,6 +168,21 @@ class DraftHeadProposer(Proposer):
                                       [p + 1 for p in pos], [r.block_table for r in reqs])
             logits = logits.float()
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def _chain(self, requests, active, ks, logits, g):
+        """All greedy with one k: a plugin may run the k - 1 chained draft steps in one call (same tokens, no Python
+        between steps). Returns the drafts of the active rows, or None to run the chain step by step."""
+        k = ks[active[0]] if active else 0
+        if self.plugins is None or k < 2 or any(ks[i] != k or not requests[i].params.greedy for i in active):
+            return None
+        first = self.head.d2t[logits.argmax(-1)]
+        pos = torch.tensor([requests[i].num_tokens - 1 for i in active], device=self.device)  # where d_1 enters
+        rest = self.plugins.draft_chain(Step(StepKind.DRAFT, len(active), len(active), "draft_head"), self.head,
+                                        self.embed_weight, g, first, pos, k - 1, self.kv[0], self.kv[1],
+                                        [requests[i].block_table for i in active], self.block_size)
+        if rest is None:
+            return None
+        return [[int(f)] + r for f, r in zip(first.tolist(), rest.tolist())]
 
     def after_verify(self, req, num_proposed, num_accepted, tokens_before):
         # chain positions used the head's own hidden states, not the target's: re-extend them with true features

@@ -157,6 +157,36 @@ class LowLatPlugin(Plugin):
         out = out + lin(torch.nn.functional.silu(gate) * up, head.mlp.down_proj)
         return lin(head.norm(out), head.lm_head), out
 
+    def draft_chain(self, head, embed_weight, hidden, tokens, positions, steps, k_cache, v_cache, block_tables,
+                    block_size):
+        """The head's next `steps` greedy draft tokens for each row in one C++ call (no Python between steps):
+        hidden [B, h] is the head's output where `tokens` (the first draft tokens, target ids) enter at
+        `positions`. Returns int64 [B, steps] (target ids), or None for a head lowlat cannot run."""
+        kernel = self._head_kernel(head, embed_weight)
+        if kernel is None or hidden.shape[0] > self.max_batch:
+            return None
+        with self._lock:
+            return kernel.chain(hidden.contiguous(), tokens, positions, steps, k_cache, v_cache, block_tables,
+                                block_size)
+
+    def _head_kernel(self, head, embed_weight):
+        entry = self._others.get(id(head))
+        if entry is None or entry[0]() is not head:
+            kernel = None
+            if all(hasattr(head, a) for a in self.HEAD_PARTS) and head.lm_head.weight.dtype == self.hardware.dtype \
+                    and embed_weight.dtype == self.hardware.dtype:
+                c = head.cfg
+                kernel = self._load_extension().Head(
+                    c.hidden_size, c.intermediate_size, head.H, head.Hkv, head.D, float(c.rms_norm_eps),
+                    float(head.scale), self.hardware.dtype == torch.bfloat16, self.uses_dot, self.threads_used,
+                    self.max_batch, embed_weight.data, head.input_layernorm.weight.data,
+                    head.hidden_norm.weight.data, head.qkv_proj.weight.data, head.o_proj.weight.data,
+                    head.post_attention_layernorm.weight.data, head.mlp.gate_up_proj.weight.data,
+                    head.mlp.down_proj.weight.data, head.norm.weight.data, head.lm_head.weight.data,
+                    head.d2t.data, head.rotary.cos.float().contiguous(), head.rotary.sin.float().contiguous())
+            entry = self._others[id(head)] = (weakref.ref(head), kernel)
+        return entry[1]
+
     # ------------------------------------------------------------------ kernels
     def _make_kernel(self, model):
         c, dtype = model.cfg, self.hardware.dtype
