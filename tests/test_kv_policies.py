@@ -141,3 +141,20 @@ def test_bench_kv_trace_and_lru(tmp_path):
     assert {r["batch"] for r in rows} == {1, 2, 4, 8, 16}
     assert all(0 < r["hit_rate"] < 1 and r["sched_ms"] > 0 for r in rows)
     assert (tmp_path / "bench_kv_lru.png").exists()
+
+
+def test_grouped_sdpa_equals_gqa_sdpa():
+    """CUDA's attention path folds a KV group's query heads into query rows (no enable_gqa): same result."""
+    import torch.nn.functional as F
+
+    from lanner.layers.attention import sdpa_grouped
+
+    g = torch.Generator().manual_seed(0)
+    B, Q, H, Hkv, D, L = 3, 4, 9, 3, 16, 20
+    q, k, v = (torch.randn(B, n, h, D, generator=g) for n, h in ((Q, H), (L, Hkv), (L, Hkv)))
+    mask = torch.rand(B, 1, Q, L, generator=g) > 0.3
+    mask[..., 0] = True
+    for m in (mask, None):
+        ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m,
+                                             enable_gqa=True, scale=0.3).transpose(1, 2).reshape(B * Q, H * D)
+        assert torch.allclose(sdpa_grouped(q, k, v, m, 0.3), ref, atol=1e-6)

@@ -28,6 +28,11 @@ class ModelRunner:
         self.capture_layers = tuple(capture_layers)
         self.features: torch.Tensor | None = None
         self.model, self.block_size, self.device = model, block_size, device
+        if str(device).startswith("cuda"):
+            # cuDNN's SDPA builds an execution plan per shape, and the KV length changes every decode step: 1.4 ms
+            # of CPU per attention call on an H200 (42 ms per step at batch 8). Flash / memory-efficient kernels
+            # take any length
+            torch.backends.cuda.enable_cudnn_sdp(False)
         # per layer, the cache tensors the model asks for (K and V for Llama; a latent + index-key cache for MLA/DSA),
         # [slots, *per-token shape]; zero-filled because padded attention rows read slots that were never written
         # (masked, but 0 * NaN would still poison them)
