@@ -12,10 +12,16 @@
   with half of each budget). Per system: requests admitted at once (memory accounting, confirmed by decoding that
   many together and by the next one failing), decode throughput per batch size (its peak), and time per output
   token at batch 1-8 (ula: also with the layer-group prefetch); step times are medians over --decode-steps.
+  `--kv-model glm-tiny`: the same on a tiny random GLM-5-architecture model (MLA latent entries, the DSA indexer's
+  top-k as the selection, --budget = index_topk; prompts are random tokens), with ula-tp running the model itself
+  under TP (heads split over 2 gloo ranks), an extra gpu-only-tp row (the plain TP model: every rank stores the
+  whole latent) and a report of KV bytes per token per rank, replicated vs UlaCache TP. The indexer keys stay
+  resident on the device (every rank) in every system and are counted in its device budget.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -56,12 +62,17 @@ def add_arguments(p):
     p.add_argument("--host-gb", type=float, default=1.0, help="capacity: KV host budget (GiB, all ranks)")
     p.add_argument("--gen", type=int, default=64, help="capacity: output tokens a request may decode (its size)")
     p.add_argument("--decode-steps", type=int, default=8, help="capacity: timed decode steps per batch size")
-    p.add_argument("--systems", default="gpu-only,hisparse,ula-dp,ula-tp", help="capacity: systems to run")
+    p.add_argument("--systems", default=None,
+                   help="capacity: systems to run (default gpu-only,hisparse,ula-dp,ula-tp; glm-tiny adds "
+                        "gpu-only-tp)")
     p.add_argument("--hisparse-buffer", type=int, default=0,
                    help="capacity: hisparse device buffer per request, tokens per layer group (default 2 x budget)")
     p.add_argument("--tp-buffer", type=float, default=0.25,
                    help="capacity: ula-tp share of each rank's device budget for its buffer of selected entries")
     p.add_argument("--threads", type=int, default=1, help="capacity: torch threads per process (rank)")
+    p.add_argument("--kv-model", choices=["default", "glm-tiny"], default="default",
+                   help="capacity: default: --model (dense, Quest selection); glm-tiny: a tiny random GLM-5-"
+                        "architecture model (MLA + DSA indexer), built on the fly")
 
 
 def run(args, engine_kwargs: dict) -> dict:
@@ -207,34 +218,32 @@ TPOT_BATCHES = (1, 2, 4, 8)
 TP_RANKS = 2
 
 
-def make_cache(system: str, args, shape, dtype, groups: int):
-    """The system's KV backend under the run's total budgets (ula-tp: this rank's share of each)."""
+def make_cache(system: str, args, shape, dtype, groups: int, device_gb: float, host_gb: float, group=None):
+    """The system's KV backend under these budgets (tp systems: this rank's)."""
     from lanner.kvcache import ula
 
-    if system == "gpu-only":
-        return ula.GpuOnly(shape, dtype, args.device_gb)
+    if system in ("gpu-only", "gpu-only-tp"):  # under TP every rank keeps every entry (the plain model's cache)
+        return ula.GpuOnly(shape, dtype, device_gb)
     if system == "hisparse":
-        return ula.HiSparse(shape, dtype, args.device_gb, args.host_gb, args.hisparse_buffer * groups)
+        return ula.HiSparse(shape, dtype, device_gb, host_gb, args.hisparse_buffer * groups)
     if system == "ula-dp":
-        return ula.UlaDP(shape, dtype, args.device_gb, args.host_gb)
+        return ula.UlaDP(shape, dtype, device_gb, host_gb)
     if system == "ula-tp":
-        return ula.UlaTP(shape, dtype, args.device_gb / TP_RANKS, args.host_gb / TP_RANKS, args.tp_buffer)
+        return ula.UlaTP(shape, dtype, device_gb, host_gb, args.tp_buffer, group=group)
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
 
 
-def measure(model, cache, prompts, args, show: bool = True) -> dict:
-    """Admits as many requests as the cache's accounting allows, decodes them all in one step, then times
+def measure(dec, n: int, prompts, args, show: bool = True) -> dict:
+    """Admits n requests (what the system's accounting allows), decodes them all in one step, then times
     decode steps per batch size; finally checks that one more request does not fit."""
     import statistics
     import time
 
     from tqdm import tqdm
 
-    from lanner.kvcache.ula import CacheFull, UlaDecoder
+    from lanner.kvcache.ula import CacheFull
 
-    max_len = args.doc_tokens + args.gen
-    dec = UlaDecoder(model, cache, args.page_size, args.budget, args.group, max_len)
-    n = min(cache.max_requests(dec.groups * max_len), cache.max_batch(args.budget, args.page_size))
+    cache, max_len = dec.cache, args.doc_tokens + args.gen
     logits = {}
     bar = tqdm(desc=f"{cache.name}: admit {n}", unit="step", disable=not show)
 
@@ -272,6 +281,9 @@ def measure(model, cache, prompts, args, show: bool = True) -> dict:
             else:
                 tok_s[b], tpot[b] = b / dt, dt * 1e3
     dec.set_prefetch(False)
+    store = getattr(cache, "store", None)
+    # latent bytes this process stores per context token (ula: entries written, wherever they live)
+    stored = None if store is None else int(store.live.sum()) * cache.entry_bytes / sum(map(dec.length, logits))
     stats = dict(cache.stats)
     for attr in ("evicted", "loaded"):
         store = getattr(cache, "store", None)
@@ -290,7 +302,7 @@ def measure(model, cache, prompts, args, show: bool = True) -> dict:
             "peak_batch": peak, "tok_s": tok_s, "tpot_ms": {b: tpot.get(b) for b in TPOT_BATCHES},
             "tpot_ms_prefetch": {b: tpot_prefetch[b] for b in tpot_prefetch} if ula else None,
             "device_hit_rate": stats["hits"] / stats["accesses"] if stats.get("accesses") else None,
-            "moves": stats}
+            "moves": stats, "stored_bytes_per_token": stored}
 
 
 def _tp_worker(rank, port, model, prompts, args, shape, dtype, groups, out):
@@ -304,29 +316,28 @@ def _tp_worker(rank, port, model, prompts, args, shape, dtype, groups, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP_RANKS,
                             timeout=datetime.timedelta(seconds=300))
     try:
-        row = measure(model, make_cache("ula-tp", args, shape, dtype, groups), prompts, args, show=rank == 0)
+        cache = make_cache("ula-tp", args, shape, dtype, groups, args.device_gb / TP_RANKS, args.host_gb / TP_RANKS)
+        row = measure(*dense_decoder(model, cache, args), prompts, args, show=rank == 0)
         if rank == 0:
             with open(out, "w") as f:
-                json.dump(row, f)
+                json.dump([row], f)
     finally:
         dist.destroy_process_group()
 
 
-def capacity(args, engine_kwargs: dict) -> dict:
-    import socket
-    import tempfile
+def dense_decoder(model, cache, args):
+    """(decoder, requests it admits) for the dense model: Quest selection, --group layers per entry."""
+    from lanner.kvcache.ula import UlaDecoder
 
+    max_len = args.doc_tokens + args.gen
+    dec = UlaDecoder(model, cache, args.page_size, args.budget, args.group, max_len)
+    return dec, min(cache.max_requests(dec.groups * max_len), cache.max_batch(args.budget, args.page_size))
+
+
+def capacity(args, engine_kwargs: dict) -> dict:
     import torch
-    import torch.multiprocessing as mp
     from tqdm import tqdm
 
-    from lanner.bench.report import (
-        bar_chart,
-        fmt,
-        markdown_table,
-        output_paths,
-        write_json,
-    )
     from lanner.config import EngineConfig
     from lanner.kvcache.quest import long_documents
     from lanner.kvcache.ula import GpuOnly, UlaDecoder, entry_shape
@@ -334,9 +345,11 @@ def capacity(args, engine_kwargs: dict) -> dict:
     from lanner.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
+    if args.kv_model == "glm-tiny":
+        return capacity_mla(args, engine_kwargs)
     args.group = args.group or 10
     args.hisparse_buffer = args.hisparse_buffer or 2 * args.budget
-    systems = [s for s in args.systems.split(",") if s]
+    systems = [s for s in (args.systems or ",".join(SYSTEMS)).split(",") if s]
     cfg = EngineConfig(**engine_kwargs)
     if cfg.device != "cpu":
         raise SystemExit("lanner bench kv capacity runs on the CPU (ula-tp uses gloo)")
@@ -352,22 +365,49 @@ def capacity(args, engine_kwargs: dict) -> dict:
     rows = []
     for system in systems:
         if system != "ula-tp":
-            rows.append(measure(model, make_cache(system, args, shape, dtype, groups), prompts, args))
+            cache = make_cache(system, args, shape, dtype, groups, args.device_gb, args.host_gb)
+            rows.append(measure(*dense_decoder(model, cache, args), prompts, args))
             continue
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "row.json")
-            # fork: the ranks share the loaded model and the prefilled prompts
-            mp.start_processes(_tp_worker, args=(port, model, prompts, args, shape, dtype, groups, out),
-                               nprocs=TP_RANKS, start_method="fork", join=True)
-            with open(out) as f:
-                row = json.load(f)
-            for key in ("tok_s", "tpot_ms", "tpot_ms_prefetch"):
-                row[key] = {int(b): v for b, v in row[key].items()}
-            rows.append(row)
+        # fork: the ranks share the loaded model and the prefilled prompts
+        rows += run_tp(_tp_worker, (model, prompts, args, shape, dtype, groups))
     entry_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    print_rows(rows)
+    result = {"model": src.name, "dtype": cfg.dtype, "device": "cpu", "threads_per_process": args.threads,
+              "doc_tokens": args.doc_tokens, "gen": args.gen, "docs": len(docs), "group": args.group,
+              "budget": args.budget, "page_size": args.page_size, "device_gb": args.device_gb,
+              "host_gb": args.host_gb, "tp_ranks": TP_RANKS, "tp_buffer": args.tp_buffer,
+              "hisparse_buffer_tokens_per_group": args.hisparse_buffer, "entry_shape": list(shape),
+              "entry_bytes": entry_bytes, "request_bytes": entry_bytes * groups * max_len,
+              "page_bounds_bytes_per_request": 2 * 4 * groups * prefiller.pages * shape[2] * shape[3],
+              "decode_steps": args.decode_steps, "rows": rows}
+    return write_result(result, args)
+
+
+def run_tp(worker, worker_args: tuple) -> list[dict]:
+    """Runs worker(rank, port, *worker_args, out) on TP_RANKS forked processes; rank 0 writes its rows to out."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        mp.start_processes(worker, args=(port, *worker_args, out), nprocs=TP_RANKS, start_method="fork", join=True)
+        with open(out) as f:
+            rows = json.load(f)
+    for row in rows:
+        for key in ("tok_s", "tpot_ms", "tpot_ms_prefetch"):
+            if row[key] is not None:
+                row[key] = {int(b): v for b, v in row[key].items()}
+    return rows
+
+
+def print_rows(rows: list[dict]):
+    from lanner.bench.report import fmt, markdown_table
+
     headers = ["system", "admitted", "next refused", "peak tok/s (batch)"] + \
               [f"TPOT ms b={b}" for b in TPOT_BATCHES] + ["ula prefetch TPOT ms b=1..8", "device hit %"]
     table = []
@@ -379,14 +419,12 @@ def capacity(args, engine_kwargs: dict) -> dict:
                      ["/".join(fmt(pf.get(b)) for b in TPOT_BATCHES) if pf else "-",
                       fmt(None if r["device_hit_rate"] is None else 100 * r["device_hit_rate"])])
     print(markdown_table(headers, table))
-    result = {"model": src.name, "dtype": cfg.dtype, "device": "cpu", "threads_per_process": args.threads,
-              "doc_tokens": args.doc_tokens, "gen": args.gen, "docs": len(docs), "group": args.group,
-              "budget": args.budget, "page_size": args.page_size, "device_gb": args.device_gb,
-              "host_gb": args.host_gb, "tp_ranks": TP_RANKS, "tp_buffer": args.tp_buffer,
-              "hisparse_buffer_tokens_per_group": args.hisparse_buffer, "entry_shape": list(shape),
-              "entry_bytes": entry_bytes, "request_bytes": entry_bytes * groups * max_len,
-              "page_bounds_bytes_per_request": 2 * 4 * groups * prefiller.pages * shape[2] * shape[3],
-              "decode_steps": args.decode_steps, "rows": rows}
+
+
+def write_result(result: dict, args) -> dict:
+    from lanner.bench.report import bar_chart, output_paths, write_json
+
+    rows = result["rows"]
     json_path, png = output_paths(args.json, args.out_dir, "bench_kv_capacity")
     write_json(json_path, result)
     bar_chart(png, [f"{r['system']}\n({r['admitted']} req)" for r in rows], [r["peak_tok_s"] for r in rows],
@@ -394,3 +432,147 @@ def capacity(args, engine_kwargs: dict) -> dict:
               "tokens / s")
     print(f"results: {json_path}, {png}")
     return result
+
+
+# ------------------------------------------------------------------ capacity on a tiny GLM-5-architecture model
+
+MLA_TP_SYSTEMS = ("ula-tp", "gpu-only-tp")  # run by the model under TP (heads split over TP_RANKS gloo ranks)
+
+
+def mla_decoder(model, system: str, args, device_gb: float, host_gb: float, group=None):
+    """(decoder, requests it admits) for the MLA model. Every system keeps every admitted request's indexer keys
+    resident on the device (on every rank: the indexer is replicated) out of the same device budget: the KV pools
+    get what n requests' keys leave, for the largest n whose KV then still fits."""
+    from lanner.kvcache.ula import GB, MlaDecoder, mla_entry_shape, selection_groups
+
+    shape, groups = mla_entry_shape(model), len(selection_groups(model))
+    dtype = model.embed_tokens.weight.dtype
+    max_len = args.doc_tokens + args.gen
+    n_entries = groups * max_len
+    keys_gb = n_entries * model.hf["index_head_dim"] * dtype.itemsize / GB  # one request's indexer keys
+    step_entries = model.hf["index_topk"] + 1  # one request's selection and new token, per group
+
+    def build(n):
+        """-> (the cache for n requests, or None, and what limits n)."""
+        if n * keys_gb > device_gb:
+            return None, "indexer keys alone exceed the device budget"
+        try:
+            cache = make_cache(system, args, shape, dtype, groups, device_gb - n * keys_gb, host_gb, group)
+        except ValueError as e:  # too little device memory left for a pool
+            return None, str(e)
+        if cache.max_requests(n_entries) < n:
+            return None, "KV memory (max_requests)"
+        if cache.max_batch(step_entries, 1) < n:
+            return None, "device slots for one step's selections (max_batch)"
+        return cache, None
+
+    lo, hi = 0, 1
+    while build(hi)[0] is not None:
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if build(mid)[0] is not None else (lo, mid)
+    cache, limit = build(lo)[0], build(lo + 1)[1]
+    if cache is None:
+        raise SystemExit(f"{system}: the device budget ({device_gb:g} GiB) holds no KV pool")
+    return MlaDecoder(model, cache, max_len, index_gb=lo * keys_gb), lo, limit
+
+
+def measure_mla(model, system, args, device_gb, host_gb, prompts, group=None, show=True) -> dict:
+    dec, n, limit = mla_decoder(model, system, args, device_gb, host_gb, group)
+    # the device budget is split for exactly n requests' indexer keys: the (n+1)-th is refused by them; `limit`
+    # says what would not fit with n+1 requests' keys taken out
+    return measure(dec, n, prompts, args, show) | {"system": system, "limit": limit}
+
+
+def _mla_prompts(model, docs, max_len):
+    from lanner.kvcache.ula import GpuOnly, MlaDecoder, mla_entry_shape
+
+    prefiller = MlaDecoder(model, GpuOnly(mla_entry_shape(model), model.embed_tokens.weight.dtype, 0), max_len)
+    return [prefiller.run_prefill(d) for d in docs]
+
+
+def _load_tiny(folder, dtype):
+    from lanner.models.loader import ModelSource, load_model
+
+    return load_model(ModelSource.resolve(folder), dtype, "cpu")[0]
+
+
+def _mla_tp_worker(rank, port, folder, docs, systems, args, dtype, out):
+    import torch
+    import torch.distributed as dist
+
+    from lanner.distributed import destroy_tp, init_tp
+
+    torch.set_num_threads(args.threads)
+    init_tp(rank, TP_RANKS, f"tcp://127.0.0.1:{port}", timeout_s=300)
+    try:
+        model = _load_tiny(folder, dtype)  # this rank's heads; latent projection and indexer replicated
+        group = dist.new_group(backend="gloo")  # the cache's gathers apart from the model's (a prefetch thread's)
+        prompts = _mla_prompts(model, docs, args.doc_tokens + args.gen)
+        per_rank = args.device_gb / TP_RANKS, args.host_gb / TP_RANKS
+        rows = [measure_mla(model, s, args, *per_rank, prompts, group, show=rank == 0) for s in systems]
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(rows, f)
+    finally:
+        destroy_tp()
+
+
+def capacity_mla(args, engine_kwargs: dict) -> dict:
+    import tempfile
+
+    import torch
+
+    from lanner.bench.report import fmt, markdown_table
+    from lanner.config import EngineConfig
+    from lanner.kvcache.ula import mla_entry_shape, mla_kv_bytes, selection_groups
+    from lanner.models.tiny import make_tiny_model
+
+    cfg = EngineConfig(**engine_kwargs)
+    if cfg.device != "cpu":
+        raise SystemExit("lanner bench kv capacity runs on the CPU (ula-tp uses gloo)")
+    dtype = cfg.torch_dtype
+    systems = [s for s in (args.systems or ",".join(SYSTEMS + ("gpu-only-tp",))).split(",") if s]
+    args.hisparse_buffer = args.hisparse_buffer or 2 * args.budget
+    max_len = args.doc_tokens + args.gen
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(2, 160, (args.doc_tokens,), generator=g).tolist() for _ in range(args.docs or 2)]
+    rows = {}
+    with tempfile.TemporaryDirectory() as folder:
+        # index_topk = --budget: the tokens each decode query reads
+        make_tiny_model("glm_moe_dsa", folder, index_topk=args.budget, max_position_embeddings=max(512, max_len))
+        model = _load_tiny(folder, dtype)
+        local = [s for s in systems if s not in MLA_TP_SYSTEMS]
+        if local:
+            prompts = _mla_prompts(model, docs, max_len)
+            for s in local:
+                rows[s] = measure_mla(model, s, args, args.device_gb, args.host_gb, prompts)
+        tp = [s for s in systems if s in MLA_TP_SYSTEMS]
+        if tp:
+            rows |= {r["system"]: r for r in run_tp(_mla_tp_worker, (folder, docs, tp, args, dtype))}
+    rows = [rows[s] for s in systems]
+    print_rows(rows)
+    for r in rows:
+        print(f"{r['system']}: {r['admitted']} admitted; with one more request's indexer keys taken out of the "
+              f"device budget, the limit is: {r['limit']}")
+    shape, groups = mla_entry_shape(model), len(selection_groups(model))
+    dup = mla_kv_bytes(model, TP_RANKS, dtype)
+    measured = {r["system"]: r["stored_bytes_per_token"] for r in rows if r["system"] == "ula-tp"}
+    dup["measured_ula_tp_latent_rank0"] = measured.get("ula-tp")
+    print(markdown_table(
+        [f"KV bytes per token per rank, TP{TP_RANKS}", "latent", "indexer keys", "total"],
+        [["replicated (plain TP model, gpu-only-tp)", dup["latent"], dup["index_keys"], dup["per_rank_replicated"]],
+         ["UlaCache TP (each entry on one rank)", fmt(dup["latent"] / TP_RANKS), dup["index_keys"],
+          fmt(dup["per_rank_ula_tp"])],
+         ["UlaCache TP, measured on rank 0", fmt(dup["measured_ula_tp_latent_rank0"]), dup["index_keys"], "-"]]))
+    entry_bytes = math.prod(shape) * dtype.itemsize
+    result = {"model": "glm-tiny (random GLM-5 architecture: 4 layers, 2 selection groups, MLA latent 32 + 8)",
+              "dtype": cfg.dtype, "device": "cpu", "threads_per_process": args.threads,
+              "doc_tokens": args.doc_tokens, "gen": args.gen, "docs": len(docs), "index_topk": args.budget,
+              "device_gb": args.device_gb, "host_gb": args.host_gb, "tp_ranks": TP_RANKS, "tp_buffer": args.tp_buffer,
+              "hisparse_buffer_tokens_per_group": args.hisparse_buffer, "entry_shape": list(shape),
+              "entry_bytes": entry_bytes, "request_bytes": entry_bytes * groups * max_len,
+              "request_index_key_bytes": groups * max_len * model.hf["index_head_dim"] * dtype.itemsize,
+              "kv_bytes_per_token": dup, "decode_steps": args.decode_steps, "rows": rows}
+    return write_result(result, args)

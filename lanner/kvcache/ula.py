@@ -1,7 +1,8 @@
 """UlaCache: one logical address space for sparse-attention KV across device pools and a host (CPU) tier.
 
 Entries. An entry is one token's KV for one selection group of G layers (the layers that share one sparse
-selection): K and V of those layers, shape [G, 2, Hkv, D] (for an MLA model it would be the latent). Its logical
+selection): K and V of those layers, shape [G, 2, Hkv, D] (for an MLA model, MlaDecoder: the latent of the G
+layers that share one indexer's selection, [G, kv_lora_rank + rope]). Its logical
 address is fixed when its request is admitted: request r owns [base_r, base_r + groups * max_len) and the entry of
 (group g, position p) is base_r + g * max_len + p. The decoder selects and asks for entries by address only.
 
@@ -510,7 +511,7 @@ class UlaTP(KVBackend):
     Every rank calls open/write/fetch/close with the same arguments in the same order: under TP every rank runs
     the same step. The dense stand-in here runs the whole model on every rank, as every MLA rank reads the whole
     latent entry, so a new token's entry is computed on every rank and its home rank stores it without a
-    transfer. Per-rank budgets: `kv_device_gb` (`buffer_frac` of it for the buffer) and `kv_host_gb`."""
+    transfer (MlaDecoder runs the MLA model itself under TP, heads split: its latent projection is replicated). Per-rank budgets: `kv_device_gb` (`buffer_frac` of it for the buffer) and `kv_host_gb`."""
 
     name = "ula-tp"
 
@@ -855,3 +856,247 @@ class UlaSession:
             raise ValueError("after the prompt, feed one token at a time")
         self.len += len(tokens)
         return logits
+
+
+# ------------------------------------------------------------------ MLA + DSA models (GLM-5, DeepSeek-V3.2) over a backend
+
+def selection_groups(model) -> list[list[int]]:
+    """A DSA model's layers grouped by the selection they use: an indexer layer and the shared layers after it."""
+    groups = []
+    for i, layer in enumerate(model.layers):
+        if layer.self_attn.indexer is not None:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
+def mla_entry_shape(model) -> tuple[int, int]:
+    """One entry: one token's latent (kv_lora_rank + rope dims) for each layer of one selection group. The group's
+    layers read the same positions, so one fetch moves them all (and the later layers' part can be prefetched)."""
+    sizes = {len(g) for g in selection_groups(model)}
+    if len(sizes) != 1:
+        raise ValueError(f"selection groups of unequal sizes {sorted(sizes)}: entries need one shape")
+    return (sizes.pop(), model.hf["kv_lora_rank"] + model.hf["qk_rope_head_dim"])
+
+
+def mla_kv_bytes(model, tp: int, dtype: torch.dtype | None = None) -> dict:
+    """KV bytes per context token: the latent (every layer) and the indexer keys (indexer layers), and what one
+    rank stores under TP: replicated (every rank holds the whole latent, as the plain model does) vs UlaCache TP
+    (each latent entry on one rank); the indexer keys stay resident and replicated in both."""
+    e = torch.empty((), dtype=dtype or model.embed_tokens.weight.dtype).element_size()
+    latent = len(model.layers) * (model.hf["kv_lora_rank"] + model.hf["qk_rope_head_dim"]) * e
+    index = len(selection_groups(model)) * model.hf["index_head_dim"] * e
+    return {"tp": tp, "latent": latent, "index_keys": index, "per_rank_replicated": latent + index,
+            "per_rank_ula_tp": latent / tp + index, "unique_fraction_replicated": 1 / tp}
+
+
+@dataclass
+class MlaPrefilled:
+    """A prompt's prefill over plain resident caches: its entries, indexer keys and last token's logits."""
+
+    tokens: int
+    entries: torch.Tensor  # [groups, n, G, latent]
+    index_keys: torch.Tensor  # [groups, n, index_head_dim]
+    logits: torch.Tensor  # [V] float32
+
+
+@dataclass
+class _MlaStep:
+    rids: list
+    fresh: torch.Tensor  # [B] the new tokens' group-0 addresses
+    bases: torch.Tensor  # [B] the requests' base addresses, sorted ...
+    strides: torch.Tensor  # ... and their max_len: group g's entry of group-0 address a is a + g * stride
+    new: dict = field(default_factory=dict)  # layer in group -> the new tokens' latent, written before the fetch
+    fetch: Fetch | None = None
+    need: torch.Tensor | None = None  # the group's fetched addresses (sorted) ...
+    rows: torch.Tensor | None = None  # ... and their rows in fetch.pool
+    pending: object = None
+
+
+class _LatentView:
+    """What the model gets as one layer's latent cache: writes and reads go to the decoder (lanner.models.deepseek
+    calls `plan_selected` with the step's whole selection, then `read_selected` per block of query rows)."""
+
+    def __init__(self, dec, g: int, j: int):
+        self.dec, self.g, self.j = dec, g, j
+
+    def __setitem__(self, slots, latent):
+        self.dec.step_state.new[self.j] = latent  # slots are the step's fresh addresses: the decoder knows them
+
+    def plan_selected(self, slots, valid):
+        self.dec._plan(self.g, self.j, slots, valid)
+
+    def read_selected(self, slots):
+        st = self.dec.step_state
+        if st.rows is None:
+            raise RuntimeError("UlaCache reads the latent on the absorbed decode path only (plan_selected first)")
+        return st.fetch.pool[_rows_at(st.need, st.rows, self.dec.address(slots, self.g)), self.j]
+
+
+class _IndexView:
+    """The indexer keys of group g's indexer layer: resident, one row per entry (its address)."""
+
+    def __init__(self, dec, g: int):
+        self.dec, self.g = dec, g
+
+    def __setitem__(self, slots, keys):
+        self.dec.index_keys[self.dec.address(slots, self.g)] = keys
+
+    def __getitem__(self, slots):
+        return self.dec.index_keys[self.dec.address(slots, self.g)]
+
+
+class MlaDecoder:
+    """DSA-sparse decoding of a DeepSeek-V3.2 / GLM-5 model (lanner.models.deepseek, absorbed MLA path) whose latent
+    KV lives in a KVBackend; same interface as UlaDecoder (add / step / close / set_prefetch).
+
+    Addresses: request r owns [base, base + groups * max_len); the entry of (group g, position p) is
+    base + g * max_len + p, so a group's consecutive positions alternate over TP ranks (address mod P). The model is
+    run over `_LatentView`s with "slots" = group-0 addresses (base + p), which name the request and position; a view
+    finds group g's entry at slot + g * max_len of the slot's request (a search over the step's sorted bases).
+    A decode step: each group's indexer layer selects index_topk positions per request; its latent view fetches
+    those entries plus the new token's (device hits, host round trips, remote fetches: the backend's business),
+    the group's layers read them from the backend's pool, and the moves are committed before the next group plans.
+
+    Indexer keys (index_head_dim per token and group) stay resident in one tensor indexed by address: the indexer
+    scores the whole history every step. `index_gb` caps them (CacheFull at admission), so a system's device budget
+    can count them; under TP every rank holds all of them, as every rank runs the same (replicated) indexer.
+
+    Prefill is the plain model over plain caches (all resident); its entries are then written through the backend."""
+
+    def __init__(self, model, cache: KVBackend, max_len: int, prefetch: bool = False, index_gb: float | None = None):
+        self.model, self.cache, self.max_len = model, cache, max_len
+        self.layer_groups = selection_groups(model)
+        self.groups, self.G = len(self.layer_groups), len(self.layer_groups[0])
+        if tuple(cache.shape) != mla_entry_shape(model):
+            raise ValueError(f"cache entries are {cache.shape}, the model's are {mla_entry_shape(model)}")
+        self.dtype = model.embed_tokens.weight.dtype
+        self.topk = model.hf["index_topk"]
+        self.budget = self.topk + 1  # entries one request's step needs per group: its selection and its new token
+        self.index_keys = torch.empty(0, model.hf["index_head_dim"], dtype=self.dtype)
+        self.index_bytes = model.hf["index_head_dim"] * self.index_keys.element_size()  # per entry
+        self.index_limit = None if index_gb is None else round(index_gb * GB) // self.index_bytes
+        self.index_reserved = 0
+        self.views = []
+        for g, layers in enumerate(self.layer_groups):
+            for j in range(len(layers)):
+                v = _LatentView(self, g, j)
+                self.views.append((v, _IndexView(self, g)) if j == 0 else (v,))
+        self.reqs: dict = {}
+        self.worker = None
+        self.set_prefetch(prefetch)
+        self.step_state = None
+
+    set_prefetch = UlaDecoder.set_prefetch
+
+    # ---- requests
+
+    @torch.inference_mode()
+    def run_prefill(self, tokens: list[int]) -> MlaPrefilled:
+        n = len(tokens)
+        caches = [tuple(torch.empty(n, *s, dtype=self.dtype) for s in shapes)
+                  for shapes in self.model.kv_cache_shapes()]
+        meta = AttentionMetadata(slot_mapping=torch.arange(n), batch_size=1, max_q_len=n, kv_slots=None,
+                                 kv_range=(0, n), mask=None, is_causal=True, q_dest=None, q_lens=[n], ctx_lens=[n])
+        h, _ = self.model(torch.tensor(tokens), torch.arange(n), caches, meta)
+        logits = self.model.compute_logits(h[-1:]).float()[0]
+        entries = torch.stack([torch.stack([caches[i][0] for i in layers], 1) for layers in self.layer_groups])
+        keys = torch.stack([caches[layers[0]][1] for layers in self.layer_groups])
+        return MlaPrefilled(n, entries, keys, logits)
+
+    def add(self, rid, pre: MlaPrefilled, max_len: int):
+        """Admits a request whose prompt was prefilled (raises CacheFull) and writes its entries and indexer keys."""
+        if max_len > self.max_len or pre.tokens >= max_len:
+            raise ValueError(f"max_len {max_len}: the decoder takes up to {self.max_len}, the prompt has "
+                             f"{pre.tokens} tokens")
+        n_entries = self.groups * max_len
+        if self.index_limit is not None and self.index_reserved + n_entries > self.index_limit:
+            raise CacheFull(f"indexer keys: {n_entries} more entries, room for "
+                            f"{self.index_limit - self.index_reserved}")
+        base = self.cache.open(rid, n_entries)
+        self.index_reserved += n_entries
+        top = self.cache.space.top
+        if self.index_keys.shape[0] < top:
+            grow = self.index_keys.new_empty(top - self.index_keys.shape[0], self.index_keys.shape[1])
+            self.index_keys = torch.cat([self.index_keys, grow.fill_(math.nan) if self.cache.poison else grow])
+        n = pre.tokens
+        addrs = base + torch.arange(self.groups)[:, None] * max_len + torch.arange(n)  # [groups, n]
+        self.cache.write(addrs.flatten(), pre.entries.reshape(self.groups * n, *self.cache.shape))
+        self.index_keys[addrs.flatten()] = pre.index_keys.reshape(self.groups * n, -1)
+        self.reqs[rid] = _Req(-1, base, max_len, n)  # row -1: no page bounds (the indexer keys replace them)
+
+    def prefill(self, rid, tokens: list[int], max_len: int) -> torch.Tensor:
+        pre = self.run_prefill(tokens)
+        self.add(rid, pre, max_len)
+        return pre.logits
+
+    def close(self, rid):
+        r = self.reqs.pop(rid)
+        self.cache.close(rid)
+        self.index_reserved -= self.groups * r.max_len
+        if self.cache.poison:
+            self.index_keys[r.base : r.base + self.groups * r.max_len] = math.nan
+
+    def length(self, rid) -> int:
+        return self.reqs[rid].len
+
+    # ---- decode
+
+    @torch.inference_mode()
+    def step(self, rids: list, tokens: list[int]) -> torch.Tensor:
+        """One decode token per request -> float32 logits [B, V]."""
+        reqs = [self.reqs[r] for r in rids]
+        if any(r.len >= r.max_len for r in reqs):
+            raise ValueError("a request reached its max_len")
+        if len(reqs) > self.cache.max_batch(self.budget, 1):  # a DSA selection is any `budget` tokens: page 1
+            raise CacheFull(f"{self.cache.name}: a step of {len(reqs)} requests may need more device slots than "
+                            f"there are (up to {self.cache.max_batch(self.budget, 1)} requests)")
+        t = lambda xs: torch.tensor(xs, dtype=torch.long)
+        pos, base = t([r.len for r in reqs]), t([r.base for r in reqs])
+        fresh = base + pos
+        ctx = pos + 1
+        j = torch.arange(int(ctx.max()))
+        # context "slots" are group-0 addresses; columns past a shorter request's context read its new token (masked)
+        kv_slots = torch.where(j < ctx[:, None], base[:, None] + j, fresh[:, None])
+        meta = AttentionMetadata(slot_mapping=fresh, batch_size=len(reqs), max_q_len=1, kv_slots=kv_slots,
+                                 kv_range=None, mask=None, is_causal=False, q_dest=None, q_lens=[1] * len(reqs),
+                                 ctx_lens=ctx.tolist())
+        order = base.argsort()
+        self.step_state = st = _MlaStep(list(rids), fresh, base[order], t([r.max_len for r in reqs])[order])
+        h, _ = self.model(t(tokens), pos, self.views, meta)
+        st.fetch.finish()  # the last group's reads are done
+        for r in reqs:
+            r.len += 1
+        return self.model.compute_logits(h).float()
+
+    def address(self, slots: torch.Tensor, g: int) -> torch.Tensor:
+        """Group-0 addresses of this step's requests -> group g's addresses."""
+        if g == 0:
+            return slots
+        st = self.step_state
+        return slots + g * st.strides[torch.searchsorted(st.bases, slots, right=True) - 1]
+
+    def _plan(self, g: int, j: int, slots, valid):
+        """Layer j of group g has its selection ([B, K] group-0 addresses): at the group's first layer fetch the
+        selected entries and the new tokens' (whose rows get this step's latent); later layers reuse the fetch."""
+        st = self.step_state
+        if j == 0:
+            if st.fetch is not None:
+                st.fetch.finish()  # the previous group's reads are done: commit its moves before planning this one
+            fresh = self.address(st.fresh, g)
+            addrs = torch.cat([self.address(slots, g), fresh[:, None]], 1)  # the new token's entry is always stored
+            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], 1)], 1)
+            f = self.cache.fetch(st.rids, addrs, valid, fresh)
+            st.need, inv = torch.unique(addrs, return_inverse=True)
+            st.rows = torch.empty_like(st.need)
+            st.rows[inv] = f.slots
+            if self.worker is None:
+                f.run(slice(None))
+            else:  # this layer's part now, the group's later layers' part while this layer computes
+                f.run(slice(0, 1))
+                st.pending = self.worker.submit(_in_inference, f.run, slice(1, self.G))
+            st.fetch = f
+        if j == 1 and st.pending is not None:
+            st.pending.result()
+            st.pending = None
+        st.fetch.pool[st.fetch.fresh_slots, j] = st.new.pop(j)

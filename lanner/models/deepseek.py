@@ -189,7 +189,10 @@ class DsaStep:
 
 def gather_selected_latent(latent_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The one read of the latent KV cache: cache slots [..., K] -> latent entries [..., K, kv_lora_rank + rope].
-    Callers pass only slots the indexer selected (per query row, or their union per sequence)."""
+    Callers pass only slots the indexer selected (per query row, or their union per sequence). A cache object with
+    `read_selected` (lanner.kvcache.ula.MlaDecoder: the latent lives in UlaCache) serves the read itself."""
+    if hasattr(latent_cache, "read_selected"):
+        return latent_cache.read_selected(slots)
     return latent_cache[slots]
 
 
@@ -280,6 +283,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot], dim=-1)  # [T, H, R + rope]
         slots, valid = step.selected_slots()  # [T, K]
+        if hasattr(latent_cache, "plan_selected"):  # UlaCache: sees the whole step's selection before the reads
+            latent_cache.plan_selected(slots, valid)
         out = []
         for s in range(0, q.shape[0], ABSORB_ROWS):
             e = s + ABSORB_ROWS
