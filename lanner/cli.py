@@ -403,7 +403,12 @@ def add_train_draft(sub):
 
 def run_train_draft(args):
     from lanner.llm import LLM
-    from lanner.train.data import generate_responses, load_training_data, original_responses, split_sharegpt
+    from lanner.train.data import (
+        generate_responses,
+        load_training_data,
+        original_responses,
+        split_sharegpt,
+    )
     from lanner.train.hass import TrainConfig, train_draft_head
 
     llm = LLM(**single_process(engine_kwargs(args), "train-draft"))

@@ -28,7 +28,9 @@ def folders(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=ARCHS)
 def tiny(request, folders):
-    from transformers import AutoModelForCausalLM  # not at module level: the TP workers import this module
+    from transformers import (
+        AutoModelForCausalLM,  # not at module level: the TP workers import this module
+    )
 
     folder = folders[request.param]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

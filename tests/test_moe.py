@@ -10,7 +10,13 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lanner import LLM, SamplingParams
 from lanner.engine.runner import ModelRunner, SeqChunk
-from lanner.models.loader import ModelSource, _hf_weights, load_config, load_model, model_class
+from lanner.models.loader import (
+    ModelSource,
+    _hf_weights,
+    load_config,
+    load_model,
+    model_class,
+)
 from lanner.models.moe import FusedMoE
 from lanner.plugins import Hardware, PluginMismatch, load_plugin, select_plugins
 

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from lanner import LLM, SamplingParams
-from lanner.plugins import Hardware, PluginMismatch, PluginVerifyError, discover, select_plugins, tensor_bytes
+from lanner.plugins import (
+    Hardware,
+    PluginMismatch,
+    PluginVerifyError,
+    discover,
+    select_plugins,
+    tensor_bytes,
+)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lanner-plugin-example"
 PROMPTS = ["The three primary colors are", "def fibonacci(n):", "Paris is the capital of"]

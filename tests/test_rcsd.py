@@ -4,14 +4,21 @@ import json
 
 import pytest
 import torch
+from test_train_hass import V, tiny_target
 
 from lanner import LLM, SamplingParams
 from lanner.engine.llm_engine import RequestError
 from lanner.spec.draft_head import DraftHead
 from lanner.train.hass import TrainConfig, train_draft_head
-from lanner.train.rcsd import (RCSDConfig, Sequence, chain_pattern, chain_steps, generate_sequences,
-                               grpo_advantages, train_rcsd)
-from test_train_hass import V, tiny_target
+from lanner.train.rcsd import (
+    RCSDConfig,
+    Sequence,
+    chain_pattern,
+    chain_steps,
+    generate_sequences,
+    grpo_advantages,
+    train_rcsd,
+)
 
 
 @pytest.fixture(scope="module")

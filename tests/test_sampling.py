@@ -2,7 +2,12 @@
 import torch
 from scipy.stats import chisquare
 
-from lanner.engine.sampling import SamplingParams, apply_penalties, processed_probs, sample_from_probs
+from lanner.engine.sampling import (
+    SamplingParams,
+    apply_penalties,
+    processed_probs,
+    sample_from_probs,
+)
 
 
 def test_exponential_race_sampling_matches_the_distribution():

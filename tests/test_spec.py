@@ -170,8 +170,8 @@ def test_prefix_cache_holds_only_verified_tokens_and_nothing_leaks(tiny):
 def test_server_reports_acceptance_in_usage_and_metrics():
     import httpx
     import openai
-
     from conftest import serve
+
     from lanner.config import EngineConfig
     from lanner.engine.async_engine import AsyncEngine
     from lanner.engine.llm_engine import LLMEngine
@@ -187,8 +187,8 @@ def test_server_reports_acceptance_in_usage_and_metrics():
             assert usage["spec_accept_length"] > 1.0
             assert len(usage["spec_accepted_per_position"]) == 4
             text = httpx.get(f"{url}/metrics").text
-            steps = float(re.search(r"^lanner_spec_verify_steps_total (\S+)", text, re.M).group(1))
-            emitted = float(re.search(r"^lanner_spec_emitted_tokens_total (\S+)", text, re.M).group(1))
+            steps = float(re.search(r"^lanner_spec_verify_steps_total (\S+)", text, re.MULTILINE).group(1))
+            emitted = float(re.search(r"^lanner_spec_emitted_tokens_total (\S+)", text, re.MULTILINE).group(1))
             assert steps > 0 and abs(emitted / steps - usage["spec_accept_length"]) < 1e-6
             assert 'lanner_spec_accepted_tokens_total{position="1"}' in text
     finally:

@@ -84,7 +84,6 @@ def run(args, engine_kwargs: dict) -> dict:
 # ------------------------------------------------------------------ trace
 
 def record_trace(args, engine_kwargs: dict) -> dict:
-    import torch
     from tqdm import tqdm
 
     from lanner.bench.report import markdown_table, output_paths, write_json
@@ -164,7 +163,6 @@ def replay_lru(args) -> dict:
     from lanner.kvcache.lru import PBLRU, ExactLRU
 
     requests, max_ctx = load_trace(args.trace)
-    G = len(requests[0][0])
     per_step_one = max(int(sum(g.numel() for g in step)) for step in requests[0])
     slots = args.slots or 16 * per_step_one
     if args.batch:
@@ -179,7 +177,8 @@ def replay_lru(args) -> dict:
     rows = []
     for b in batches:
         steps, num_addrs = batch_steps(requests, b, max_ctx)
-        for make in (lambda: PBLRU(slots, num_addrs, args.buckets, args.span), lambda: ExactLRU(slots, num_addrs)):
+        for make in (lambda n=num_addrs: PBLRU(slots, n, args.buckets, args.span),
+                     lambda n=num_addrs: ExactLRU(slots, n)):
             best, hit = None, None
             for _ in range(args.repeat):
                 pol = make()

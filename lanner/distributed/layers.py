@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lanner.distributed import all_gather_last, all_reduce, shard_range, split_sizes, tp_size
+from lanner.distributed import (
+    all_gather_last,
+    all_reduce,
+    shard_range,
+    split_sizes,
+    tp_size,
+)
 
 
 class _Sharded:

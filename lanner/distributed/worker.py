@@ -23,8 +23,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from lanner.distributed import (TPError, all_gather_rows, ctrl_group, destroy_tp, init_tp, split_sizes, tp_rank,
-                                tp_size)
+from lanner.distributed import (
+    TPError,
+    all_gather_rows,
+    ctrl_group,
+    destroy_tp,
+    init_tp,
+    split_sizes,
+    tp_rank,
+    tp_size,
+)
 
 log = logging.getLogger("lanner")
 

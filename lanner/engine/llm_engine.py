@@ -19,8 +19,15 @@ from lanner.engine.scheduler import QueueFullError, Scheduler
 from lanner.kvcache.block_manager import BlockManager
 from lanner.metrics import EngineMetrics
 from lanner.models.loader import ModelSource, load_config, load_model
-from lanner.plugins import Hardware, PluginRuntime, PluginVerifyError, StepKind, select_plugins, storage_ptrs, \
-    tensor_bytes
+from lanner.plugins import (
+    Hardware,
+    PluginRuntime,
+    PluginVerifyError,
+    StepKind,
+    select_plugins,
+    storage_ptrs,
+    tensor_bytes,
+)
 from lanner.spec.draft_head import DraftHead, is_draft_head
 from lanner.spec.drafts import resolve_draft
 from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer

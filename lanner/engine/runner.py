@@ -1,9 +1,8 @@
 """One forward per step: gathers the scheduled tokens, builds attention metadata, returns logits."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 

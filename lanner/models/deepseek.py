@@ -23,7 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lanner.distributed import all_reduce, shard_range, tp_size
-from lanner.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallel_logits
+from lanner.distributed.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_logits,
+)
 from lanner.layers.attention import AttentionMetadata
 from lanner.models.config import ModelConfig
 from lanner.models.llama import RMSNorm

@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from lanner.distributed import shard_range, tp_size
-from lanner.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, parallel_logits
+from lanner.distributed.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_logits,
+)
 from lanner.layers.attention import AttentionMetadata, paged_attention
 from lanner.layers.rotary import RotaryEmbedding, apply_rotary
 from lanner.models.config import ModelConfig

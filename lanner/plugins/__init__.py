@@ -8,8 +8,16 @@ from importlib.metadata import entry_points
 import torch
 
 from lanner.distributed import any_rank, tp_size
-from lanner.plugins.base import (Hardware, Plugin, PluginCollectiveAbort, PluginMismatch,  # noqa: F401
-                                 PluginVerifyError, Step, StepKind, plugin_all_reduce)
+from lanner.plugins.base import (  # noqa: F401
+    Hardware,
+    Plugin,
+    PluginCollectiveAbort,
+    PluginMismatch,
+    PluginVerifyError,
+    Step,
+    StepKind,
+    plugin_all_reduce,
+)
 
 log = logging.getLogger("lanner")
 GROUP = "lanner.plugins"

@@ -57,7 +57,7 @@ class Hardware:
         return "cuda" if self.device.startswith("cuda") else "cpu"
 
     @classmethod
-    def detect(cls, device: str, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> "Hardware":
+    def detect(cls, device: str, dtype: torch.dtype, tp_size: int = 1, tp_rank: int = 0) -> Hardware:
         if device.startswith("cuda"):
             dev = torch.device(device)
             return cls(device, dtype, torch.cuda.get_device_name(dev), torch.cuda.get_device_capability(dev),

@@ -25,7 +25,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from lanner.config import EngineConfig
-from lanner.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from lanner.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+)
 from lanner.engine.llm_engine import LLMEngine, RequestError
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
