@@ -288,7 +288,7 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
                 adv = grpo_advantages(group)
                 loss, kl = grpo_loss(policy, [s.ref_logp for s in group], adv, cfg.epsilon, cfg.beta)
                 # reward: advantage-weighted log-likelihood gain over the reference (what the objective raises)
-                acc_reward.append(float(sum(a * (p - s.ref_logp).mean() for a, p, s in zip(adv, policy, group)
+                acc_reward.append(float(sum(a * (p.detach() - s.ref_logp).mean() for a, p, s in zip(adv, policy, group)
                                             if len(p)) / len(group)))
                 acc_extra.append(kl)
             (loss / cfg.grad_accum).backward()
