@@ -29,7 +29,8 @@ from lanner.plugins import (
     tensor_bytes,
 )
 from lanner.spec.draft_head import DraftHead, is_draft_head
-from lanner.spec.drafts import resolve_draft
+from lanner.spec.drafts import MTP, resolve_draft
+from lanner.spec.mtp import MtpProposer, load_mtp
 from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
 from lanner.spec.verify import verify_chain
 from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -128,18 +129,21 @@ class LLMEngine:
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_queue_len)
-        capture = draft_model.cfg.feature_layers if draft_kind == "head" else ()
+        # an MTP layer's feature is the last layer's output: the hidden state before the final norm
+        capture = draft_model.cfg.feature_layers if draft_kind == "head" else \
+            (self.model_config.num_layers - 1,) if draft_kind == "mtp" else ()
         self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.torch_dtype, config.device,
                                   capture, self.plugins)
         self.proposer = None
         args = (self.num_blocks, config.block_size, config.torch_dtype, config.device, self.plugins)
         if config.spec == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
-        elif draft_kind == "head":
+        elif draft_kind in ("head", "mtp"):
             # the head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
             embed = self.tp.gather_embedding(self.model) if self.tp is not None else None
             with tp_disabled():
-                self.proposer = DraftHeadProposer(draft_model, self.model, *args, embed_weight=embed)
+                proposer = MtpProposer if draft_kind == "mtp" else DraftHeadProposer
+                self.proposer = proposer(draft_model, self.model, *args, embed_weight=embed)
         elif draft_kind == "model":
             with tp_disabled():
                 self.proposer = DraftModelProposer(draft_model, *args)
@@ -157,10 +161,13 @@ class LLMEngine:
                 self.failed = TPError("the engine was closed")
 
     def _load_draft(self):
-        """-> ("head", DraftHead) for an EAGLE-style head folder, else ("model", standalone draft model).
-        Built outside the tensor-parallel group: drafts run whole on rank 0."""
+        """-> ("head", DraftHead) for an EAGLE-style head folder, ("mtp", MtpLayer) for the target checkpoint's own
+        MTP layer, else ("model", standalone draft model). Built outside the tensor-parallel group: drafts run whole
+        on rank 0. (An MtpLayer's KV bytes per token come from its kv_cache_shapes, like a draft model's.)"""
         path, tcfg = resolve_draft(self.config.draft), self.model_config
         with tp_disabled():
+            if path == MTP:
+                return "mtp", load_mtp(self.source, self.model, self.config.torch_dtype, self.config.device)
             if is_draft_head(path):
                 head = DraftHead.load(path, self.config.torch_dtype, self.config.device)
                 hc = head.cfg

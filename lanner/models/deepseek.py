@@ -424,6 +424,58 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def fused_param(name: str) -> tuple[str, int]:
+    """A decoder layer's checkpoint name -> (parameter name, piece): routed experts and gate/up projections go into
+    fused parameters."""
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[-4] == "experts":  # ....mlp.experts.e.proj.weight
+        leaf, piece = FusedMoE.checkpoint_piece(int(parts[-3]), parts[-2])
+        return ".".join(parts[:-3] + [leaf]), piece
+    if len(parts) >= 2 and parts[-2] in ("gate_proj", "up_proj"):  # dense MLP and shared experts
+        return ".".join(parts[:-2] + ["gate_up_proj", parts[-1]]), int(parts[-2] == "up_proj")
+    return name, 0
+
+
+class MtpLayer(DecoderLayer):
+    """DeepSeek-V3's multi-token prediction module, checkpoint layer `num_hidden_layers` (GLM-4.5+ / GLM-5 use the
+    same layout). At position p: eh_proj(concat[enorm(embedding of token p+1), hnorm(h_p)]), with h_p the target's
+    last hidden state before the final norm, then one decoder layer of the model's own type over its own cache;
+    shared_head (norm, head) gives the logits of token p+2. Chained steps feed its output hidden state back as h."""
+
+    def __init__(self, hf: dict, prefix: str, moe: bool, has_indexer: bool, interleaved: bool, own_embed: bool,
+                 own_head: bool):
+        super().__init__(hf, moe, has_indexer, interleaved)
+        h, eps, vocab = hf["hidden_size"], hf.get("rms_norm_eps", 1e-6), hf["vocab_size"]
+        self.prefix = prefix  # checkpoint names of this layer start with it ("layers.N.", "model." removed)
+        self.enorm, self.hnorm = RMSNorm(h, eps), RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(h, eps)
+        # checkpoints may omit these where they are the main model's: the caller then uses the main model's
+        self.shared_head.head = nn.Linear(h, vocab, bias=False) if own_head else None
+        self.embed_tokens = nn.Embedding(vocab, h) if own_embed else None
+
+    def forward(self, hidden, token_emb, positions, caches, meta: AttentionMetadata, rotary: MlaRotary,
+                absorbed: bool):
+        """hidden: [T, h] target hidden states (or this module's previous output); token_emb: [T, h] embeddings of
+        the next tokens. Returns the output hidden state [T, h] (before shared_head.norm)."""
+        x = self.eh_proj(torch.cat([self.enorm(token_emb), self.hnorm(hidden)], dim=-1))
+        cos, sin = rotary.lookup(positions, x.dtype)
+        step = DsaStep.build(meta, absorbed)
+        if self.self_attn.indexer is None:  # no indexer of its own and no earlier layer to share one with: dense
+            step.selected = step.select_all()
+        return super().forward(x, cos, sin, caches, step)
+
+    def kv_cache_shapes(self) -> list[tuple[tuple[int, ...], ...]]:
+        a = self.self_attn
+        latent = (a.rank + a.rope_dim,)
+        return [(latent, (a.indexer.head_dim,)) if a.indexer is not None else (latent,)]
+
+    def checkpoint_name(self, name: str) -> tuple[str, int] | None:
+        name = name.removeprefix("model.")
+        return fused_param(name.removeprefix(self.prefix)) if name.startswith(self.prefix) else None
+
+
 class DeepseekModel(nn.Module):
     kv_replicated_across_tp = True  # the latent and index-key caches are whole on every rank
     # "auto": absorbed for decode/verify-sized steps and long contexts, expanded for prefill; tests force each
@@ -435,6 +487,7 @@ class DeepseekModel(nn.Module):
         self.hf = hf
         moe, own = layer_types(hf)
         interleaved = cfg.architecture == "GlmMoeDsaForCausalLM" or hf.get("model_type") == "glm_moe_dsa"
+        self.interleaved_indexer = interleaved
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(hf, moe[i], own[i], interleaved) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, hf.get("rms_norm_eps", 1e-6))
@@ -482,17 +535,26 @@ class DeepseekModel(nn.Module):
         if parts[0] == "layers" and int(parts[1]) >= len(self.layers):
             self.skipped_mtp += 1  # next-token-prediction (MTP) layers follow the decoder; Lanner does not run them
             return None
-        if len(parts) == 7 and parts[3] == "experts":  # layers.i.mlp.experts.e.proj.weight
-            leaf, piece = FusedMoE.checkpoint_piece(int(parts[4]), parts[5])
-            return ".".join(parts[:4] + [leaf]), piece
-        if len(parts) >= 2 and parts[-2] in ("gate_proj", "up_proj"):  # dense MLP and shared experts
-            return ".".join(parts[:-2] + ["gate_up_proj", parts[-1]]), int(parts[-2] == "up_proj")
-        return name, 0
+        return fused_param(name)
 
     def load_weights(self, weights):
         """weights: iterable of (HF checkpoint name, tensor)."""
         self.skipped_mtp = 0
         load_checkpoint(self, weights)
         if self.skipped_mtp:
-            log.info("skipped %d MTP (next-token prediction) tensors at layers >= %d: Lanner does not run them",
-                     self.skipped_mtp, len(self.layers))
+            log.info("skipped %d MTP (next-token prediction) tensors at layers >= %d: the target does not run them "
+                     "(draft='mtp' loads them into a draft module)", self.skipped_mtp, len(self.layers))
+
+    def make_mtp(self, names) -> MtpLayer:
+        """An empty MTP module shaped after the checkpoint tensor `names` of layer num_hidden_layers (the first MTP
+        layer; later ones, if any, go unused). Fill it with lanner.models.weights.load_checkpoint."""
+        prefix = f"layers.{len(self.layers)}."
+        own = {n.removeprefix("model.").removeprefix(prefix) for n in names
+               if n.removeprefix("model.").startswith(prefix) and not n.endswith("_scale_inv")}
+        if not own:
+            raise ValueError(f"this checkpoint has no MTP (next-token prediction) layer: no tensors at layer "
+                             f"{len(self.layers)} (num_nextn_predict_layers: {self.hf.get('num_nextn_predict_layers', 0)})")
+        return MtpLayer(self.hf, prefix, moe=any(n.startswith("mlp.experts.") for n in own),
+                        has_indexer=any(n.startswith("self_attn.indexer.") for n in own),
+                        interleaved=self.interleaved_indexer, own_embed="embed_tokens.weight" in own,
+                        own_head="shared_head.head.weight" in own)

@@ -7,6 +7,9 @@ arbitrarily (transformers' own choice then depends on the sequence length).
 """
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 
 _COMMON = dict(
@@ -35,14 +38,21 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_model(arch: str, out_dir: str, seed: int = 0, **overrides) -> str:
+def make_tiny_model(arch: str, out_dir: str, seed: int = 0, mtp: bool = False, **overrides) -> str:
     """Writes config.json + model.safetensors of a tiny random `arch` model ("deepseek_v32" | "glm_moe_dsa")
-    to out_dir and returns out_dir. overrides: config fields."""
+    to out_dir and returns out_dir. overrides: config fields. mtp: add one multi-token prediction layer in the
+    DeepSeek-V3 layout (`model.layers.{num_hidden_layers}`, see _add_mtp)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if arch not in TINY_CONFIGS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {sorted(TINY_CONFIGS)}")
-    cfg = AutoConfig.for_model(arch, **(TINY_CONFIGS[arch] | overrides))
+    fields = TINY_CONFIGS[arch] | overrides
+    n = fields["num_hidden_layers"]
+    if mtp:  # one more decoder layer, drawn like the others: it becomes the MTP module's decoder layer
+        fields = fields | {"num_hidden_layers": n + 1}
+        if "indexer_types" in fields:
+            fields["indexer_types"] = list(fields["indexer_types"]) + ["full"]  # its own indexer
+    cfg = AutoConfig.for_model(arch, **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
@@ -57,4 +67,35 @@ def make_tiny_model(arch: str, out_dir: str, seed: int = 0, **overrides) -> str:
             if name.endswith("e_score_correction_bias"):  # large enough to change some expert choices
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(out_dir)
+    if mtp:
+        _add_mtp(out_dir, n, seed)
     return out_dir
+
+
+def _add_mtp(out_dir: str, n: int, seed: int):
+    """Turns the saved model's last layer `n` into an MTP layer: adds enorm, hnorm, eh_proj and shared_head.norm,
+    sets num_hidden_layers back to n. DeepSeek-V3.2 folders also get the layer's own copies of the embedding and
+    LM head (DeepSeek-V3 checkpoints ship them); GLM-5 folders omit them (the main model's are used)."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out_dir, "model.safetensors")
+    weights = load_file(path)
+    g = torch.Generator().manual_seed(seed + 1)
+    p = f"model.layers.{n}."
+    h = weights["model.norm.weight"].shape[0]
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        weights[p + norm + ".weight"] = 1.0 + 0.2 * torch.randn(h, generator=g)
+    weights[p + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=g) * (2 * h) ** -0.5
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg["model_type"] == "deepseek_v32":
+        weights[p + "embed_tokens.weight"] = weights["model.embed_tokens.weight"].clone()
+        weights[p + "shared_head.head.weight"] = weights["lm_head.weight"].clone()
+    save_file(weights, path, metadata={"format": "pt"})
+    cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"] = n, 1
+    for key in ("mlp_layer_types", "indexer_types", "layer_types"):
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:n]
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
