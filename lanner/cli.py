@@ -84,7 +84,8 @@ def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
     g.add_argument("--spec", choices=["ngram", "draft"], default=None,
                    help="draft proposer: n-gram prompt lookup, or a draft (--draft) head/model; default: off")
     g.add_argument("--draft", default=None,
-                   help="draft head folder (config.json + model.safetensors) or a smaller model sharing the tokenizer")
+                   help="draft: 'default' or 'hass' (shipped heads), 'mtp' (the checkpoint's MTP layer), a head "
+                        "folder (config.json + model.safetensors) or a smaller model sharing the tokenizer")
     g.add_argument("--spec-tokens", type=int, default=_ENGINE_DEFAULTS["spec_tokens"],
                    help="draft tokens verified per step (1..8)")
     g.add_argument("--spec-max-batch", type=int, default=_ENGINE_DEFAULTS["spec_max_batch"],
