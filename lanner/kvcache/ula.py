@@ -657,6 +657,20 @@ class _Step:
     selected: list = field(default_factory=list)  # per group: (positions [B, N], valid [B, N])
 
 
+def _step_requests(reqs: dict, rids: list, cache, budget: int, page: int) -> list:
+    """The requests of one decode step, refused when one is full or when the step's worst case (every request
+    reading `budget` tokens in pages of `page`) may not fit the device slots: scheduled by the worst case, not by
+    luck."""
+    out = [reqs[r] for r in rids]
+    if any(r.len >= r.max_len for r in out):
+        raise ValueError("a request reached its max_len")
+    limit = cache.max_batch(budget, page)
+    if len(out) > limit:
+        raise CacheFull(f"{cache.name}: a step of {len(out)} requests may need more device slots than there are "
+                        f"(up to {limit} requests)")
+    return out
+
+
 class UlaDecoder:
     """Quest-sparse decoding (lanner.kvcache.quest's selection) of a batch of sequences whose KV lives in a
     KVBackend. Prefill is dense (one sequence from position 0) and writes its entries through the backend; a
@@ -755,12 +769,7 @@ class UlaDecoder:
     @torch.inference_mode()
     def step(self, rids: list, tokens: list[int]) -> torch.Tensor:
         """One decode token per request -> float32 logits [B, V]."""
-        reqs = [self.reqs[r] for r in rids]
-        if any(r.len >= r.max_len for r in reqs):
-            raise ValueError("a request reached its max_len")
-        if len(reqs) > self.cache.max_batch(self.budget, self.page):  # scheduled by the worst case, not by luck
-            raise CacheFull(f"{self.cache.name}: a step of {len(reqs)} requests may need more device slots than "
-                            f"there are (up to {self.cache.max_batch(self.budget, self.page)} requests)")
+        reqs = _step_requests(self.reqs, rids, self.cache, self.budget, self.page)
         t = lambda xs: torch.tensor(xs, dtype=torch.long)
         st = _Step(list(rids), t([r.row for r in reqs]), t([r.len for r in reqs]), t([r.base for r in reqs]),
                    t([r.max_len for r in reqs]))
@@ -1045,12 +1054,7 @@ class MlaDecoder:
     @torch.inference_mode()
     def step(self, rids: list, tokens: list[int]) -> torch.Tensor:
         """One decode token per request -> float32 logits [B, V]."""
-        reqs = [self.reqs[r] for r in rids]
-        if any(r.len >= r.max_len for r in reqs):
-            raise ValueError("a request reached its max_len")
-        if len(reqs) > self.cache.max_batch(self.budget, 1):  # a DSA selection is any `budget` tokens: page 1
-            raise CacheFull(f"{self.cache.name}: a step of {len(reqs)} requests may need more device slots than "
-                            f"there are (up to {self.cache.max_batch(self.budget, 1)} requests)")
+        reqs = _step_requests(self.reqs, rids, self.cache, self.budget, 1)  # a DSA selection: any tokens, page 1
         t = lambda xs: torch.tensor(xs, dtype=torch.long)
         pos, base = t([r.len for r in reqs]), t([r.base for r in reqs])
         fresh = base + pos
