@@ -47,3 +47,17 @@ def test_training_raises_acceptance(tmp_path):
         emitted = sum(o.metrics["spec_accept_length"] * o.metrics["spec_verify_steps"] for o in res)
         taus[name] = emitted / sum(o.metrics["spec_verify_steps"] for o in res)
     assert taus["head"] > taus["random"] + 0.3, taus
+
+    # --init: continued training starts from the given head (its weights and draft vocabulary), not a new one
+    init = DraftHead.load(str(tmp_path / "random"))
+    init.d2t.copy_(init.d2t.flip(0))  # a vocabulary order a fresh head would not pick
+    init.save(str(tmp_path / "init"))
+    cont = train_draft_head(target.engine.model, seqs[:8], str(tmp_path / "cont"),
+                            TrainConfig(ttt_steps=2, epochs=1, lr=1e-3, warmup_steps=1, grad_accum=2,
+                                        checkpoint_every=10_000), init=str(tmp_path / "init"))
+    assert torch.equal(cont.d2t, init.d2t)
+    assert json.loads((tmp_path / "cont" / "training.json").read_text())["cost"]["init"] == str(tmp_path / "init")
+    changed = [n for n, p in cont.state_dict().items() if p.is_floating_point()
+               and not torch.equal(p, init.state_dict()[n])]
+    assert changed and all(torch.allclose(p, init.state_dict()[n], atol=0.05) for n, p in cont.state_dict().items()
+                           if p.is_floating_point())  # a few small steps away from the init, not a fresh head

@@ -151,22 +151,30 @@ def save_train_state(out_dir: str, head, opt, step: int, history: list, epoch: i
 
 
 def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConfig, resume: bool = True,
-                     log=print) -> DraftHead:
-    """target: the loaded target model (LlamaModel); sequences: [{"prompt_ids", "output_ids"}]."""
+                     log=print, init: str | None = None) -> DraftHead:
+    """target: the loaded target model (LlamaModel); sequences: [{"prompt_ids", "output_ids"}]; init: a head
+    folder to continue from (its draft vocabulary is kept), else a new head started from the target's rows."""
     torch.manual_seed(cfg.seed)
     os.makedirs(out_dir, exist_ok=True)
     tcfg = target.cfg
-    hcfg = DraftHeadConfig.for_target(tcfg, cfg.draft_vocab_size)
-    d2t = draft_vocabulary(sequences, hcfg.draft_vocab_size, tcfg.vocab_size)
+    if init is not None:
+        head = DraftHead.load(init, torch.float32, "cpu").requires_grad_(True)
+        hcfg, d2t = head.cfg, head.d2t.clone()
+        if hcfg.target_vocab_size != tcfg.vocab_size or hcfg.hidden_size != tcfg.hidden_size:
+            raise ValueError(f"init: the head at {init} was built for another target (vocab "
+                             f"{hcfg.target_vocab_size}, hidden {hcfg.hidden_size})")
+    else:
+        hcfg = DraftHeadConfig.for_target(tcfg, cfg.draft_vocab_size)
+        d2t = draft_vocabulary(sequences, hcfg.draft_vocab_size, tcfg.vocab_size)
+        head = DraftHead(hcfg)
+        with torch.no_grad():
+            head.d2t.copy_(d2t)
+            # start from the target: final norm and the target's output rows of the draft vocabulary
+            head.norm.weight.copy_(target.norm.weight.float())
+            lm = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+            head.lm_head.weight.copy_(lm[d2t].float())
     t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
     t2d[d2t] = torch.arange(len(d2t))
-    head = DraftHead(hcfg)
-    with torch.no_grad():
-        head.d2t.copy_(d2t)
-        # start from the target: final norm and the target's output rows of the draft vocabulary
-        head.norm.weight.copy_(target.norm.weight.float())
-        lm = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-        head.lm_head.weight.copy_(lm[d2t].float())
     embed = torch.nn.Embedding.from_pretrained(target.embed_tokens.weight.float(), freeze=True)
 
     t0 = time.perf_counter()
@@ -224,7 +232,7 @@ def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConf
     head.eval()
     head.save(out_dir)
     cost = {"feature_s": feature_s, "train_s": time.perf_counter() - t1, "sequences": len(cache),
-            "train_tokens_seen": train_tokens, "optimizer_steps": step, "config": asdict(cfg),
+            "train_tokens_seen": train_tokens, "optimizer_steps": step, "config": asdict(cfg), "init": init,
             "device": str(target.embed_tokens.weight.device), "threads": torch.get_num_threads()}
     with open(os.path.join(out_dir, "training.json"), "w") as fh:
         json.dump({"cost": cost, "history": history}, fh)
