@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from lanner.config import DTYPES, EngineConfig
+from lanner.config import DTYPES, KV_TIERS, EngineConfig
 
 SUBCOMMANDS = []
 
@@ -81,15 +81,27 @@ def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
                    help="longest wait of any tensor-parallel collective: a rank that dies or hangs is an error "
                         "within it")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec", choices=["ngram", "draft"], default=None,
-                   help="draft proposer: n-gram prompt lookup, or a draft (--draft) head/model; default: off")
+    g.add_argument("--spec", choices=["auto", "ngram", "draft", "none"], default="auto",
+                   help="draft proposer: n-gram prompt lookup, or a draft (--draft) head/model; 'auto': the shipped "
+                        "draft head on the bundled model (or --draft when given), plain decoding elsewhere")
+    g.add_argument("--no-spec", dest="spec", action="store_const", const="none",
+                   help="plain decoding (same as --spec none)")
     g.add_argument("--draft", default=None,
                    help="draft: 'default' or 'hass' (shipped heads), 'mtp' (the checkpoint's MTP layer), a head "
                         "folder (config.json + model.safetensors) or a smaller model sharing the tokenizer")
     g.add_argument("--spec-tokens", type=int, default=_ENGINE_DEFAULTS["spec_tokens"],
-                   help="draft tokens verified per step (1..8)")
+                   help="draft tokens verified per step (1..8; default: 3 with a draft, 5 with n-grams)")
     g.add_argument("--spec-max-batch", type=int, default=_ENGINE_DEFAULTS["spec_max_batch"],
                    help="speculate only while at most this many requests run")
+    g = p.add_argument_group("UlaCache: Quest-sparse decoding over a tiered KV store (CPU)")
+    g.add_argument("--kv-tier", choices=KV_TIERS, default=None,
+                   help="replace the paged cache: 'ula-dp' (device pool + host tier behind logical addresses), "
+                        "'hisparse' (history on the host + a device buffer per request), 'gpu-only'")
+    for name, help_text in [("kv_device_gb", "device KV pool, GiB"), ("kv_host_gb", "host KV tier, GiB"),
+                            ("sparse_budget", "tokens each decode query reads per layer group"),
+                            ("sparse_group", "layers sharing one selection"), ("sparse_page", "tokens per page")]:
+        g.add_argument("--" + name.replace("_", "-"), type=type(_ENGINE_DEFAULTS[name]),
+                       default=_ENGINE_DEFAULTS[name], help=help_text)
     g = p.add_argument_group("kernel plugins")
     g.add_argument("--plugin", "--plugins", dest="plugin", default=None,
                    help="NAME[,NAME]: use these plugins and stop if one does not fit; 'auto': use every installed "
@@ -112,7 +124,9 @@ def engine_kwargs(args) -> dict:
                   spec=args.spec, draft=args.draft, spec_tokens=args.spec_tokens,
                   spec_max_batch=args.spec_max_batch, plugin=args.plugin,
                   plugin_options=plugin_options(args.plugin_option) or None, plugin_verify=args.plugin_verify,
-                  tp=tp_size_arg(args), tp_timeout_s=args.tp_timeout)
+                  tp=tp_size_arg(args), tp_timeout_s=args.tp_timeout, kv_tier=args.kv_tier,
+                  kv_device_gb=args.kv_device_gb, kv_host_gb=args.kv_host_gb, sparse_budget=args.sparse_budget,
+                  sparse_group=args.sparse_group, sparse_page=args.sparse_page)
     try:
         EngineConfig(**kwargs)
         ModelSource.resolve(args.model)
@@ -388,6 +402,9 @@ def add_train_draft(sub):
                         "no regeneration; the loss is still on the target's distribution)")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the ShareGPT 90/10 split")
     p.add_argument("--no-resume", action="store_true", help="start training from scratch")
+    p.add_argument("--init", default=None, metavar="HEAD",
+                   help="continue training this head ('hass', 'default' or a folder; its draft vocabulary is kept) "
+                        "instead of starting a new one")
     defaults = TrainConfig()
     for name, help_text in [("ttt_steps", "chained steps trained (training-time test)"),
                             ("topk", "target top-K probabilities distilled"),
@@ -404,6 +421,7 @@ def add_train_draft(sub):
 
 def run_train_draft(args):
     from lanner.llm import LLM
+    from lanner.spec.drafts import resolve_draft
     from lanner.train.data import (
         generate_responses,
         load_training_data,
@@ -412,7 +430,9 @@ def run_train_draft(args):
     )
     from lanner.train.hass import TrainConfig, train_draft_head
 
-    llm = LLM(**single_process(engine_kwargs(args), "train-draft"))
+    # the data is the target's own decoding: no draft head (speculation would be lossless, but costs a load)
+    kwargs = engine_kwargs(args) | ({"spec": None} if args.spec == "auto" else {})
+    llm = LLM(**single_process(kwargs, "train-draft"))
     train, _ = split_sharegpt(args.split_seed)
     path = generate_responses(llm, train[: args.num_prompts], args.data, max_new_tokens=args.max_new_tokens,
                               temperature=args.gen_temperature, split_seed=args.split_seed, train_frac=0.9)
@@ -423,7 +443,8 @@ def run_train_draft(args):
         sequences += original_responses(tok, extra, tok.eos_token_ids[0] if tok.eos_token_ids else None)
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
-    train_draft_head(llm.engine.model, sequences, args.out, cfg, resume=not args.no_resume)
+    init = resolve_draft(args.init) if args.init else None
+    train_draft_head(llm.engine.model, sequences, args.out, cfg, resume=not args.no_resume, init=init)
     print(f"wrote the draft head to {args.out} (training.json, loss.png beside it)")
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_TIERS = ("ula-dp", "hisparse", "gpu-only")
 
 
 @dataclass
@@ -25,9 +26,14 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     skip_tokenizer: bool = False  # token ids in and out only
-    spec: str | None = None  # None: plain decoding; "ngram" (prompt lookup) or "draft" (needs `draft`)
-    draft: str | None = None  # draft model: HF folder / GGUF of a smaller model with the same tokenizer
-    spec_tokens: int = 5  # k: draft tokens verified per step
+    # "auto": the shipped draft head (draft "default") on the bundled model it was trained for, a given `draft`
+    # elsewhere, else plain decoding; None / "none": plain; "ngram" (prompt lookup); "draft" (needs `draft`).
+    # Resolved here, so `spec` is None, "ngram" or "draft" after construction
+    spec: str | None = "auto"
+    draft: str | None = None  # "default", "hass", "mtp", a head folder, or a smaller model with the same tokenizer
+    # k: draft tokens verified per step. None: 5 for n-grams; 3 for drafts (the shipped head's tau is flat beyond
+    # 3 steps, and each step costs a head forward: README "Draft heads")
+    spec_tokens: int | None = None
     # speculate only while at most this many requests run: on the 2-core CPU, n-gram drafting (tau ~1.7 on chat)
     # gained 1.08x at 1 request, broke even at 2-4 and lost at 8 (0.86x) and 16 (0.70x): results/bench_spec_batch
     spec_max_batch: int = 4
@@ -44,6 +50,18 @@ class EngineConfig:
     # hangs turns into a TPError within it
     tp: int = 1
     tp_timeout_s: float = 60.0
+    # UlaCache (lanner.kvcache.ula): Quest-sparse decoding over a tiered KV store instead of the paged cache.
+    # None: the paged cache; "ula-dp": a device pool + a host tier behind logical addresses (PB-LRU), capacity
+    # their sum; "hisparse": the full history on the host + a device buffer per request; "gpu-only": every entry
+    # in the device pool. Prefill is dense; each decode query reads `sparse_budget` tokens (whole pages of
+    # `sparse_page`) per group of `sparse_group` layers sharing one selection
+    kv_tier: str | None = None
+    kv_device_gb: float = 0.25
+    kv_host_gb: float = 1.0
+    sparse_budget: int = 256
+    sparse_group: int = 10
+    sparse_page: int = 16
+    kv_poison: bool = False  # debug: NaN-fill every slot that loses its entry, so a read ahead of its data shows
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -58,8 +76,19 @@ class EngineConfig:
             raise ValueError("dtype: float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
-        if self.spec not in (None, "ngram", "draft"):
-            raise ValueError(f"spec: must be 'ngram', 'draft' or None, got {self.spec!r}")
+        if self.spec not in (None, "none", "auto", "ngram", "draft"):
+            raise ValueError(f"spec: must be 'auto', 'ngram', 'draft' or None/'none', got {self.spec!r}")
+        if self.kv_tier is not None:
+            self._check_kv_tier()
+        if self.spec == "auto":
+            if self.draft is not None:
+                self.spec = "draft"
+            else:
+                self.spec, self.draft = ("draft", "default") if is_bundled_model(self.model) else (None, None)
+        elif self.spec == "none":
+            self.spec = None
+        if self.spec_tokens is None:
+            self.spec_tokens = 5 if self.spec == "ngram" else 3
         if self.spec == "draft" and not self.draft:
             raise ValueError("draft: spec='draft' needs a draft model path")
         if self.plugin_verify < 0:
@@ -67,7 +96,8 @@ class EngineConfig:
         if self.plugin_options is not None and not (isinstance(self.plugin_options, dict) and all(
                 isinstance(v, dict) for v in self.plugin_options.values())):
             raise ValueError("plugin_options: expected {plugin name: {option: value}}")
-        if not 1 <= self.spec_tokens <= 8:
+        if isinstance(self.spec_tokens, bool) or not isinstance(self.spec_tokens, int) or \
+                not 1 <= self.spec_tokens <= 8:
             raise ValueError(f"spec_tokens: must be in 1..8, got {self.spec_tokens}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp: must be an integer >= 1, got {self.tp!r}")
@@ -83,6 +113,27 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_queue_len", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+
+    def _check_kv_tier(self):
+        if self.kv_tier not in KV_TIERS:
+            raise ValueError(f"kv_tier: must be one of {', '.join(KV_TIERS)} or None, got {self.kv_tier!r}")
+        if self.device != "cpu":
+            raise ValueError("kv_tier: UlaCache runs on the CPU only so far (its CUDA path is unvalidated)")
+        if self.tp != 1:
+            raise ValueError("kv_tier: the engine runs UlaCache at tp=1 (ula-tp runs in 'lanner bench kv')")
+        if self.plugin not in (None, "", "none"):
+            raise ValueError("kv_tier: kernel plugins do not cover sparse decoding; drop --plugin")
+        if self.spec not in (None, "none", "auto"):
+            raise ValueError("kv_tier: speculative decoding does not run over UlaCache; drop --spec")
+        self.spec = None
+        for name in ("kv_device_gb", "kv_host_gb"):
+            if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be a number of GiB >= 0")
+        for name in ("sparse_budget", "sparse_group", "sparse_page"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be a positive integer")
+        if self.sparse_budget < self.sparse_page:
+            raise ValueError("sparse_budget: must be at least sparse_page")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -130,3 +181,15 @@ def _available_bytes(device: str) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def is_bundled_model(model: str | None) -> bool:
+    """The bundled default model: `None`, or a path to the bundled GGUF file."""
+    if model is None:
+        return True
+    from lanner.models.loader import default_model_path
+
+    try:
+        return os.path.exists(model) and os.path.samefile(model, default_model_path())
+    except FileNotFoundError:  # the default model package is not installed
+        return False

@@ -23,7 +23,7 @@ class EngineMetrics:
                              buckets=_LATENCY_BUCKETS)
         self.queue_len = Gauge("lanner_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
         self.running = Gauge("lanner_num_requests_running", "Requests running", registry=r)
-        self.kv_usage = Gauge("lanner_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.kv_usage = Gauge("lanner_kv_cache_usage_ratio", "Fraction of the KV cache in use (paged: blocks; UlaCache: reserved entries)", registry=r)
         self.prefix_hit_rate = Gauge("lanner_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
                                      "prompt tokens admitted", registry=r)
         self.prompt_tokens = Counter("lanner_prompt_tokens", "Prompt tokens admitted", registry=r)

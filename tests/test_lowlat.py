@@ -66,7 +66,7 @@ def test_bf16_within_verify_tolerance():
     Deterministic (fixed prompts; lowlat's results do not depend on the thread count). Over many steps the error
     has median ~1% and p90 ~2%, and ~2% of steps exceed 3e-2: the model's own bf16 forward moves as much when a
     few of its roundings change (results/lowlat_ablation.md)."""
-    llm = LLM(dtype="bfloat16", plugin="lowlat", plugin_verify=8, kv_cache_memory="0.25GiB")
+    llm = LLM(dtype="bfloat16", plugin="lowlat", plugin_verify=8, kv_cache_memory="0.25GiB", spec=None)
     outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in outs)
     counts = llm.engine.plugins.counts

@@ -35,7 +35,7 @@ def example_installed():
 
 @pytest.fixture(scope="module")
 def plain_outputs():
-    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB")
+    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None)
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.engine.num_blocks
 
 
@@ -78,7 +78,7 @@ def test_selection_errors_name_the_cause(example_installed, llm32):
 
 def test_build_memory_comes_off_the_kv_budget(example_installed, plain_outputs):
     _, plain_blocks = plain_outputs
-    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", plugin="example",
+    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None, plugin="example",
               plugin_options={"example": {"build_mib": 64}})
     eng = llm.engine
     assert eng.plugin_bytes == 64 * 2**20
@@ -91,7 +91,7 @@ def test_build_memory_comes_off_the_kv_budget(example_installed, plain_outputs):
 
 def test_dispatch_covers_decode_and_matches_the_engine(example_installed, plain_outputs):
     want, _ = plain_outputs
-    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", plugin="example", plugin_verify=3)
+    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None, plugin="example", plugin_verify=3)
     got = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert got == want
     counts = llm.engine.plugins.counts
@@ -101,13 +101,13 @@ def test_dispatch_covers_decode_and_matches_the_engine(example_installed, plain_
     assert 'lanner_plugin_steps_total{kind="decode",plugin="example"}' in text
     assert 'lanner_plugin_verified_steps_total{kind="decode",plugin="example"} 3.0' in text
     # with its logits head too
-    llm3 = LLM(dtype="float32", kv_cache_memory="0.25GiB", plugin="example", plugin_verify=2,
+    llm3 = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None, plugin="example", plugin_verify=2,
                plugin_options={"example": {"logits": True}})
     assert [o.token_ids for o in llm3.generate(PROMPTS, GREEDY)] == want
     assert llm3.engine.plugins.counts[("example", "logits")] == llm3.engine.plugins.counts[("example", "decode")]
     assert 'kind="logits",plugin="example"} 2.0' in llm3.engine.metrics.render().decode()  # verified twice
     # a batch above max_batch runs on the engine's own forward
-    llm2 = LLM(dtype="float32", kv_cache_memory="0.25GiB", plugin="example",
+    llm2 = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None, plugin="example",
                plugin_options={"example": {"max_batch": 2}})
     assert [o.token_ids for o in llm2.generate(PROMPTS, GREEDY)] == want
     assert ("example", "decode") not in llm2.engine.plugins.counts
@@ -116,7 +116,7 @@ def test_dispatch_covers_decode_and_matches_the_engine(example_installed, plain_
 
 def test_runtime_failure_falls_back_and_loses_nothing(example_installed, plain_outputs):
     want, _ = plain_outputs
-    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", plugin="example", plugin_options={"example": {"fail_at": 3}})
+    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None, plugin="example", plugin_options={"example": {"fail_at": 3}})
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == want and all(o.error is None for o in outs)
     rt = llm.engine.plugins
@@ -126,7 +126,7 @@ def test_runtime_failure_falls_back_and_loses_nothing(example_installed, plain_o
 
 
 def test_verify_fails_loudly_on_mismatch(example_installed):
-    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", plugin="example", plugin_verify=2,
+    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None, plugin="example", plugin_verify=2,
               plugin_options={"example": {"perturb": 0.5}})
     with pytest.raises(PluginVerifyError, match=r"plugin example \(decode, 1 tokens, batch 1\): output 0 differs"):
         llm.generate(PROMPTS[0], GREEDY)

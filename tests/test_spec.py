@@ -10,10 +10,12 @@ from scipy.stats import chisquare
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lanner import LLM, SamplingParams
+from lanner.cli import build_parser, engine_kwargs
+from lanner.config import EngineConfig
 from lanner.engine.sampling import processed_probs
 from lanner.models.loader import default_model_path
 from lanner.spec.draft_head import random_draft_head
-from lanner.spec.proposers import NgramProposer
+from lanner.spec.proposers import DraftHeadProposer, NgramProposer
 
 PROMPTS = [
     "Write a python function that checks whether a number is prime.",
@@ -29,8 +31,28 @@ GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(llm32):
-    return [o.token_ids for o in llm32.generate(PROMPTS, GREEDY)]
+def plain_outputs(llm32):  # llm32 speculates by default: opt out per request
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, speculative=False)
+    outs = llm32.generate(PROMPTS, plain)
+    assert all(o.metrics["spec_verify_steps"] == 0 for o in outs)
+    return [o.token_ids for o in outs]
+
+
+def test_speculation_is_on_by_default_with_the_shipped_head(llm32, plain_outputs, tmp_path):
+    cfg = llm32.engine.config
+    assert (cfg.spec, cfg.draft, cfg.spec_tokens) == ("draft", "default", 3)
+    assert isinstance(llm32.engine.proposer, DraftHeadProposer)
+    alone = [llm32.generate(p, GREEDY)[0] for p in PROMPTS[:4]]
+    assert [o.token_ids for o in alone] == plain_outputs[:4]
+    assert all(o.metrics["spec_verify_steps"] > 0 for o in alone)
+    # the bundled model by path gets the head too; opt-outs and models it was not trained for decode plainly
+    assert EngineConfig(model=default_model_path()).spec == "draft"
+    assert EngineConfig(model=str(tmp_path)).spec is None
+    assert EngineConfig(spec=None).spec is None and EngineConfig(spec="none").draft is None
+    assert (EngineConfig(spec="ngram").spec_tokens, EngineConfig(draft="hass").spec) == (5, "draft")
+    assert engine_kwargs(build_parser().parse_args(["generate", "x", "--no-spec"]))["spec"] == "none"
+    with pytest.raises(ValueError, match="spec_tokens"):
+        EngineConfig(spec_tokens=9)
 
 
 @pytest.fixture(scope="module")

@@ -219,17 +219,10 @@ TP_RANKS = 2
 
 def make_cache(system: str, args, shape, dtype, groups: int, device_gb: float, host_gb: float, group=None):
     """The system's KV backend under these budgets (tp systems: this rank's)."""
-    from lanner.kvcache import ula
+    from lanner.kvcache.ula import make_backend
 
-    if system in ("gpu-only", "gpu-only-tp"):  # under TP every rank keeps every entry (the plain model's cache)
-        return ula.GpuOnly(shape, dtype, device_gb)
-    if system == "hisparse":
-        return ula.HiSparse(shape, dtype, device_gb, host_gb, args.hisparse_buffer * groups)
-    if system == "ula-dp":
-        return ula.UlaDP(shape, dtype, device_gb, host_gb)
-    if system == "ula-tp":
-        return ula.UlaTP(shape, dtype, device_gb, host_gb, args.tp_buffer, group=group)
-    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    return make_backend(system, shape, dtype, device_gb, host_gb, (args.hisparse_buffer or 0) * groups,
+                        args.tp_buffer, group)
 
 
 def measure(dec, n: int, prompts, args, show: bool = True) -> dict:

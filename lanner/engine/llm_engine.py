@@ -117,6 +117,14 @@ class LLMEngine:
         self.load_s = time.perf_counter() - t0
         ctx = self.model_config.max_context
         self.max_model_len = min(config.max_model_len or ctx, ctx)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._build_cache(config)
+        log.info("loaded %s in %.1fs: %s, max_model_len %d", self.model_name, self.load_s, self.kv_summary,
+                 self.max_model_len)
+
+    def _build_cache(self, config: EngineConfig):
+        """The paged KV cache, its scheduler, the model runner and the draft proposer."""
         per_token = ModelRunner.bytes_per_token(self.model, config.torch_dtype)
         draft_kind, draft_model = self._load_draft() if config.spec == "draft" else (None, None)
         if draft_model is not None:  # the draft's pool shares the target's block tables, so it shares the budget
@@ -147,11 +155,9 @@ class LLMEngine:
         elif draft_kind == "model":
             with tp_disabled():
                 self.proposer = DraftModelProposer(draft_model, *args)
-        self.requests: dict[str, Request] = {}
-        self._ids = itertools.count()
-        log.info("loaded %s in %.1fs: %d KV blocks x %d tokens (%.2f GiB%s), max_model_len %d", self.model_name,
-                 self.load_s, self.num_blocks, config.block_size, self.num_blocks * config.block_size * per_token
-                 / 2**30, f" on each of {config.tp} ranks" if config.tp > 1 else "", self.max_model_len)
+        self.kv_summary = (f"{self.num_blocks} KV blocks x {config.block_size} tokens "
+                           f"({self.num_blocks * config.block_size * per_token / 2**30:.2f} GiB"
+                           + (f" on each of {config.tp} ranks)" if config.tp > 1 else ")"))
 
     def close(self):
         """Stops the tensor-parallel workers (a no-op at TP=1). The engine is unusable afterwards under TP."""
@@ -223,10 +229,7 @@ class LLMEngine:
             raise RequestError(f"max_tokens={max_tokens} plus the {n}-token prompt exceeds the context of "
                                f"{self.max_model_len} tokens; use max_tokens <= {self.max_model_len - n}",
                                "max_tokens")
-        if -(-(n + max_tokens) // self.config.block_size) > self.num_blocks:
-            raise RequestError(f"prompt plus max_tokens ({n + max_tokens} tokens) does not fit in the KV cache "
-                               f"({self.num_blocks * self.config.block_size} tokens); raise kv_cache_memory",
-                               "max_tokens")
+        self._check_fits(n + max_tokens)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
@@ -238,6 +241,13 @@ class LLMEngine:
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
         return req
+
+    def _check_fits(self, tokens: int):
+        """Raises RequestError when a request of `tokens` tokens (prompt + max_tokens) can never fit the KV cache."""
+        if -(-tokens // self.config.block_size) > self.num_blocks:
+            raise RequestError(f"prompt plus max_tokens ({tokens} tokens) does not fit in the KV cache "
+                               f"({self.num_blocks * self.config.block_size} tokens); raise kv_cache_memory",
+                               "max_tokens")
 
     def add_request(self, prompt=None, params=None, request_id=None, prompt_ids=None) -> Request:
         req = self.make_request(prompt, params, request_id, prompt_ids)

@@ -34,11 +34,11 @@ class ScheduledItem:
         self.samples = self.start + self.num_tokens == self.request.num_tokens
 
 
-class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_queue_len: int):
-        self.blocks = blocks
+class RequestQueue:
+    """Waiting and running requests: what the engine's request handling needs of any scheduler."""
+
+    def __init__(self, max_num_seqs: int, max_queue_len: int):
         self.max_num_seqs = max_num_seqs
-        self.budget = max_num_batched_tokens
         self.max_queue_len = max_queue_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -51,6 +51,26 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str):
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def _release(self, req: Request):
+        """Frees what the request holds in the KV cache."""
+        raise NotImplementedError
+
+
+class Scheduler(RequestQueue):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_queue_len: int):
+        super().__init__(max_num_seqs, max_queue_len)
+        self.blocks = blocks
+        self.budget = max_num_batched_tokens
 
     def _blocks_needed(self, req: Request, upto: int) -> int:
         return max(0, -(-upto // self.blocks.block_size) - len(req.block_table))
@@ -120,12 +140,6 @@ class Scheduler:
             self.blocks.free(req.block_table[keep:])
             del req.block_table[keep:]
 
-    def finish(self, req: Request, reason: str):
-        if req.status == Status.RUNNING:
-            self.running.remove(req)
-        elif req.status == Status.WAITING:
-            self.waiting.remove(req)
+    def _release(self, req: Request):
         self.blocks.free(req.block_table)
         req.block_table = []
-        req.status = Status.FINISHED
-        req.finish_reason = reason

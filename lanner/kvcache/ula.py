@@ -289,6 +289,14 @@ class KVBackend:
         self._opened(rid, base, n)
         return base
 
+    def can_open(self, n: int) -> bool:
+        """Whether open(_, n) would admit a request of n entries now."""
+        try:
+            self._admit(n)
+        except CacheFull:
+            return False
+        return True
+
     def close(self, rid):
         base, n = self.requests.pop(rid)
         self._closed(rid, torch.arange(base, base + n))
@@ -608,6 +616,21 @@ class UlaTP(KVBackend):
 
 
 # ------------------------------------------------------------------ sparse decoding over a backend
+
+def make_backend(system: str, shape, dtype, device_gb: float, host_gb: float, hisparse_buffer: int = 0,
+                 tp_buffer: float = 0.25, group=None, device: str = "cpu", poison: bool = False) -> KVBackend:
+    """A system's KV backend under these budgets (ula-tp: this rank's share). hisparse_buffer: entries in each
+    request's device buffer; tp_buffer: ula-tp's buffer share of the device budget."""
+    if system in ("gpu-only", "gpu-only-tp"):  # under TP every rank keeps every entry (the plain model's cache)
+        return GpuOnly(shape, dtype, device_gb, device, poison)
+    if system == "hisparse":
+        return HiSparse(shape, dtype, device_gb, host_gb, hisparse_buffer, device, poison)
+    if system == "ula-dp":
+        return UlaDP(shape, dtype, device_gb, host_gb, device, poison)
+    if system == "ula-tp":
+        return UlaTP(shape, dtype, device_gb, host_gb, tp_buffer, device, poison, group=group)
+    raise ValueError(f"unknown KV system {system!r}; choose from gpu-only, hisparse, ula-dp, ula-tp")
+
 
 def quest_pages(qp, kmax, kmin, ctx, page: int, budget: int) -> torch.Tensor:
     """qp: [B, 1, H, D]; kmax/kmin: [B, P, Hkv, D] float32 page bounds; ctx: [B]. -> keep [B, P] bool.

@@ -30,9 +30,10 @@ from lanner.engine.async_engine import (
     EngineDeadError,
     EngineOverloadedError,
 )
-from lanner.engine.llm_engine import LLMEngine, RequestError
+from lanner.engine.llm_engine import RequestError
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
+from lanner.engine.ula_engine import make_engine
 from lanner.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -431,7 +432,7 @@ def _streaming(events) -> StreamingResponse:
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                log_level: str = "info"):
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(LLMEngine(config))
+    engine = AsyncEngine(make_engine(config))
     try:
         uvicorn.run(build_app(engine, api_key), host=host, port=port, log_level=log_level)
     finally:

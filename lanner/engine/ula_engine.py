@@ -1,0 +1,136 @@
+"""The engine over UlaCache (`kv_tier`): requests are admitted by the KV system's own accounting and decoded
+with Quest-sparse attention whose KV lives behind logical addresses (lanner.kvcache.ula).
+
+Admission: a waiting request (oldest first) is admitted when the running limit allows, a decode step with it
+still fits the device pool's worst case (every request reading `sparse_budget` tokens), and the KV system can
+open its whole address range (prompt + max_tokens entries per layer group): a gpu-only system counts its
+device pool, HiSparse its host pool and per-request device buffers, ula-dp device + host slots. A request that
+does not fit waits until others finish; one that could never fit is refused when it is made. One request is
+prefilled per step (dense, whole prompt), after one sparse decode step over every running request. Sampling,
+stop handling, outputs and metrics are LLMEngine's; speculative decoding, plugins, prefix caching and tensor
+parallelism do not run here (the config refuses them)."""
+from __future__ import annotations
+
+import logging
+import time
+
+from lanner.config import EngineConfig
+from lanner.engine.llm_engine import LLMEngine, RequestError
+from lanner.engine.request import Request, RequestOutput, Status
+from lanner.engine.sampling import sample
+from lanner.engine.scheduler import RequestQueue
+from lanner.kvcache.ula import UlaDecoder, entry_shape, make_backend
+
+log = logging.getLogger("lanner.engine")
+
+
+class UlaScheduler(RequestQueue):
+    """FIFO admission against a KV system (the checks are UlaEngine.step's)."""
+
+    def __init__(self, decoder: UlaDecoder, max_num_seqs: int, max_queue_len: int):
+        super().__init__(max_num_seqs, max_queue_len)  # never preempts: a request holds its whole range
+        self.decoder = decoder
+        self.max_batch = decoder.cache.max_batch(decoder.budget, decoder.page)
+
+    def can_admit(self) -> bool:
+        return bool(self.waiting) and len(self.running) < min(self.max_num_seqs, self.max_batch)
+
+    def _release(self, req: Request):
+        if req.request_id in self.decoder.reqs:
+            self.decoder.close(req.request_id)
+
+
+class UlaEngine(LLMEngine):
+    def _build_cache(self, config: EngineConfig):
+        cfg = self.model_config
+        if cfg.family != "llama" or cfg.num_layers % config.sparse_group:
+            raise ValueError(f"kv_tier: UlaCache's Quest decoder takes dense Llama-family models whose layer count "
+                             f"({cfg.num_layers}) sparse_group ({config.sparse_group}) divides")
+        shape, dtype = entry_shape(self.model, config.sparse_group), config.torch_dtype
+        self.groups = cfg.num_layers // config.sparse_group
+        # HiSparse's device buffer per request: twice what one query reads, in every group (as in bench kv)
+        cache = make_backend(config.kv_tier, shape, dtype, config.kv_device_gb, config.kv_host_gb,
+                             hisparse_buffer=2 * config.sparse_budget * self.groups, device=config.device,
+                             poison=config.kv_poison)
+        self.decoder = UlaDecoder(self.model, cache, config.sparse_page, config.sparse_budget, config.sparse_group,
+                                  self.max_model_len)
+        self.scheduler = UlaScheduler(self.decoder, config.max_num_seqs, config.max_queue_len)
+        if self.scheduler.max_batch < 1:
+            raise ValueError(f"kv_device_gb: {config.kv_device_gb} GiB cannot hold one decode step's selection "
+                             f"({config.sparse_budget} tokens x {self.groups} groups); raise it")
+        self.runner, self.proposer, self.plugins = None, None, None
+        self.capacity = cache.max_requests(1)  # entries
+        self.kv_summary = (f"{config.kv_tier} over {cache.entry_bytes} B entries (one token, {config.sparse_group} "
+                           f"layers): {self.capacity} entries, decode steps of up to {self.scheduler.max_batch} "
+                           f"requests, Quest budget {config.sparse_budget}")
+
+    def _entries(self, tokens: int) -> int:
+        return self.groups * tokens
+
+    def _check_fits(self, tokens: int):
+        if self.decoder.cache.max_requests(self._entries(tokens)) < 1:
+            raise RequestError(f"prompt plus max_tokens ({tokens} tokens) does not fit in the {self.config.kv_tier} "
+                               f"KV budget ({self.capacity // self.groups} tokens); raise kv_device_gb / kv_host_gb",
+                               "max_tokens")
+
+    def step(self) -> list[RequestOutput]:
+        sch, outputs = self.scheduler, []
+        decoding = list(sch.running)
+        if decoding:
+            outputs += self._run(decoding, lambda: self.decoder.step([r.request_id for r in decoding],
+                                                                     [r.all_ids[-1] for r in decoding]))
+        if sch.can_admit():
+            req = sch.waiting[0]
+            max_len = req.num_tokens + req.max_tokens - len(req.output_ids)
+            if self.decoder.cache.can_open(self._entries(max_len)):
+                sch.waiting.popleft()
+                req.status = Status.RUNNING
+                sch.running.append(req)
+                outputs += self._run([req], lambda: self._prefill(req, max_len))
+            elif not sch.running:  # nothing will free space (_check_fits passed it on totals alone)
+                req.error = f"its KV range ({max_len} tokens) does not fit the empty {self.config.kv_tier} cache"
+                self._finish(req, "error")
+                outputs.append(self._output(req))
+            # else: it stays first in line until running requests finish and free their ranges
+        self._update_gauges()
+        return outputs
+
+    def _prefill(self, req: Request, max_len: int):
+        req.first_scheduled_time = req.first_scheduled_time or time.perf_counter()
+        pre = self.decoder.run_prefill(req.prompt_ids)
+        self.decoder.add(req.request_id, pre, max_len)
+        return pre.logits[None]
+
+    def _run(self, reqs: list[Request], forward) -> list[RequestOutput]:
+        """Runs forward() -> logits [len(reqs), V], samples one token per request and emits their outputs; a
+        failure fails these requests only."""
+        outputs = []
+        try:
+            logits = forward()
+            result = sample(logits, reqs)
+        except Exception as e:  # a bug or a bad input: fail these requests, keep serving the rest
+            log.exception("UlaCache step failed; failing %d requests", len(reqs))
+            self.metrics.step_errors.inc()
+            for req in reqs:
+                req.error = f"internal error: {type(e).__name__}: {e}"
+                self._finish(req, "error")
+                outputs.append(self._output(req))
+            return outputs
+        for req, tok, lp in zip(reqs, result.token_ids, result.logprobs):
+            req.num_computed = req.num_tokens
+            reason = self._accept_token(req, tok, lp)
+            if reason:
+                self._finish(req, reason)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _update_gauges(self):
+        used = sum(n for _, n in self.decoder.cache.requests.values())
+        self.metrics.queue_len.set(len(self.scheduler.waiting))
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.kv_usage.set(used / self.capacity if self.capacity else 0.0)
+
+
+def make_engine(config: EngineConfig) -> LLMEngine:
+    """The engine a config asks for: over UlaCache when `kv_tier` is set, else the paged-cache engine."""
+    return UlaEngine(config) if config.kv_tier is not None else LLMEngine(config)

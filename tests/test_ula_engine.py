@@ -1,0 +1,80 @@
+"""The engine over UlaCache (kv_tier): admission by the KV system's budgets, and outputs identical to the same
+sparse model with every entry resident, through evictions and host round trips (slots poisoned with NaN)."""
+import re
+
+import pytest
+
+from lanner import LLM, SamplingParams
+from lanner.cli import build_parser, engine_kwargs
+from lanner.config import EngineConfig
+from lanner.engine.llm_engine import RequestError
+from lanner.engine.ula_engine import UlaEngine
+
+SPARSE = {"dtype": "float32", "sparse_budget": 32, "sparse_page": 16, "sparse_group": 10}
+# 6 prompts of ~200 tokens: each decode query reads 2 of ~13 pages per layer group
+PROMPTS = [f"Story {i}: " + " ".join(f"The {w} walked past house number {i * 7 + j}." for j, w in
+                                     enumerate(["cat", "dog", "fox", "owl", "bee", "elk"] * 3)) + " Who walked first?"
+           for i in range(6)]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def kv_usage(engine) -> float:
+    return float(re.search(rb"^lanner_kv_cache_usage_ratio (\S+)", engine.metrics.render(), re.M).group(1))
+
+
+@pytest.fixture(scope="module")
+def resident():
+    """The same sparse decoding with every entry in one big device pool."""
+    llm = LLM(kv_tier="gpu-only", kv_device_gb=1.0, **SPARSE)
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_ula_dp_admits_by_budget_and_matches_resident(resident):
+    # fp32 entries of 10 layers: 15 KiB; ~210 tokens x 3 groups per request; device + host hold ~3 requests'
+    # ranges and the device pool a tenth of that, so entries are evicted to the host and loaded back
+    llm = LLM(kv_tier="ula-dp", kv_device_gb=0.005, kv_host_gb=0.03, kv_poison=True, **SPARSE)
+    eng = llm.engine
+    assert isinstance(eng, UlaEngine) and eng.config.spec is None
+    cache = eng.decoder.cache
+    per_request = eng.groups * (max(len(eng.make_request(p).prompt_ids) for p in PROMPTS) + GREEDY.max_tokens)
+    fits = cache.max_requests(per_request)
+    assert 2 <= fits < len(PROMPTS)
+    reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
+    running, usage, outs = [], [], {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+        running.append(len(eng.scheduler.running))
+        usage.append(kv_usage(eng))
+    assert max(running) == fits  # admission filled the budget and never went beyond it
+    done = [outs[r.request_id] for r in reqs]
+    assert all(o.error is None and o.finish_reason == "length" for o in done)
+    assert [o.token_ids for o in done] == resident
+    assert cache.stats["accesses"] > cache.stats["hits"] > 0  # misses: entries came back from the host
+    assert not cache.requests and not eng.decoder.reqs  # every range was released
+    assert max(usage) > 0.5 and usage[-1] == 0.0  # /metrics: the share of device + host entries reserved
+
+
+def test_hisparse_tier_matches_resident(resident):
+    llm = LLM(kv_tier="hisparse", kv_device_gb=0.05, kv_host_gb=0.1, kv_poison=True, **SPARSE)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:3], GREEDY)] == resident[:3]
+
+
+def test_ula_refusals():
+    llm = LLM(kv_tier="ula-dp", kv_device_gb=0.005, kv_host_gb=0.005, **SPARSE)
+    with pytest.raises(RequestError, match="kv_device_gb / kv_host_gb"):
+        llm.engine.make_request("Hi " * 400, SamplingParams(max_tokens=16))
+    # a request that fits still runs beside the refusal
+    assert len(llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4))[0].token_ids) == 4
+    for bad, match in [({"kv_tier": "nvme"}, "kv_tier"), ({"kv_tier": "ula-dp", "spec": "ngram"}, "speculative"),
+                       ({"kv_tier": "ula-dp", "plugin": "lowlat"}, "plugins"),
+                       ({"kv_tier": "ula-dp", "sparse_budget": 8}, "sparse_budget")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**bad)
+    with pytest.raises(ValueError, match="kv_device_gb"):
+        LLM(kv_tier="ula-dp", kv_device_gb=0.0001, kv_host_gb=0.01, **SPARSE)
+    args = build_parser().parse_args(["serve", "--kv-tier", "ula-dp", "--kv-host-gb", "2", "--sparse-budget", "128"])
+    kw = engine_kwargs(args)
+    assert (kw["kv_tier"], kw["kv_host_gb"], kw["sparse_budget"]) == ("ula-dp", 2.0, 128)
+    assert EngineConfig(**kw).spec is None  # the default speculation steps aside
