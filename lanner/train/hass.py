@@ -80,7 +80,7 @@ def ttt_forward(head: DraftHead, embed, feats, ids, steps: int):
     p = 0..n-1 (n = T-1): step j at p is the j-th chained proposal of a chain started at p - j, i.e. the
     prediction of ids[p + 2] that inference makes j steps after the target's features at p - j."""
     n = ids.shape[0] - 1
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=ids.device)
     tok_emb = embed(ids[1:])
     hidden = head.fuse(feats[:n])
     keys, values, out = [], [], None
@@ -109,7 +109,7 @@ def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from:
     after each position). Returns (total loss, per-step losses, per-step top-1 accuracy)."""
     T = ids.shape[0]
     n = T - 1  # head positions p = 0..T-2 take (f_p, x_{p+1}) and predict x_{p+2} ~ target distribution at p+1
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=ids.device)
     # target distribution at p+1, restricted to the draft vocabulary and renormalized
     d_ids = t2d[top_i[1:].long()]  # [n, K] draft ids, -1 where the draft vocabulary lacks the token
     best = d_ids[:, 0]  # the target's top-1 (-1 when outside the draft vocabulary: never matched)
@@ -157,8 +157,9 @@ def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConf
     torch.manual_seed(cfg.seed)
     os.makedirs(out_dir, exist_ok=True)
     tcfg = target.cfg
+    device = target.embed_tokens.weight.device  # the head trains in float32 where the target runs
     if init is not None:
-        head = DraftHead.load(init, torch.float32, "cpu").requires_grad_(True)
+        head = DraftHead.load(init, torch.float32, device).requires_grad_(True)
         hcfg, d2t = head.cfg, head.d2t.clone()
         if hcfg.target_vocab_size != tcfg.vocab_size or hcfg.hidden_size != tcfg.hidden_size:
             raise ValueError(f"init: the head at {init} was built for another target (vocab "
@@ -173,8 +174,11 @@ def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConf
             head.norm.weight.copy_(target.norm.weight.float())
             lm = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
             head.lm_head.weight.copy_(lm[d2t].float())
+        head = head.to(device)
+        head.init_rotary(device)
     t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
-    t2d[d2t] = torch.arange(len(d2t))
+    t2d[d2t.cpu()] = torch.arange(len(d2t))
+    t2d = t2d.to(device)
     embed = torch.nn.Embedding.from_pretrained(target.embed_tokens.weight.float(), freeze=True)
 
     t0 = time.perf_counter()
@@ -210,7 +214,7 @@ def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConf
         bar = tqdm(range(start_index if epoch == start_epoch else 0, len(order)), desc=f"epoch {epoch + 1}",
                    unit="seq")
         for i in bar:
-            f, ids, ti, tp, plen = cache[order[i]]
+            f, ids, ti, tp, plen = (x.to(device) if torch.is_tensor(x) else x for x in cache[order[i]])
             loss, losses, acc = ttt_losses(head, embed, f.float(), ids, ti, tp, t2d, plen, cfg.ttt_steps,
                                            cfg.step_decay)
             (loss / cfg.grad_accum).backward()
