@@ -78,3 +78,19 @@ def test_ula_refusals():
     kw = engine_kwargs(args)
     assert (kw["kv_tier"], kw["kv_host_gb"], kw["sparse_budget"]) == ("ula-dp", 2.0, 128)
     assert EngineConfig(**kw).spec is None  # the default speculation steps aside
+
+
+def test_bench_kv_engine(tmp_path):
+    from lanner.cli import main
+
+    out = tmp_path / "engine.json"
+    main(["bench", "kv", "engine", "--dtype", "float32", "--doc-tokens", "200", "--gen", "8", "--requests", "5",
+          "--docs", "2", "--budget", "32", "--device-gb", "0.02", "--host-gb", "0.04", "--json", str(out)])
+    import json
+
+    rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["gpu-only", "hisparse", "ula-dp"]
+    assert all(r["identical_to_gpu-only"] and not r["errors"] and r["requests"] == 5 for r in rows.values())
+    # equal budgets: the device pool alone holds fewer requests than device + host
+    assert 1 <= rows["gpu-only"]["max_running"] < rows["ula-dp"]["max_running"]
+    assert (tmp_path / "engine.png").stat().st_size > 0

@@ -30,10 +30,11 @@ DESCRIPTION = __doc__
 
 
 def add_arguments(p):
-    p.add_argument("what", choices=["trace", "lru", "capacity"],
+    p.add_argument("what", choices=["trace", "lru", "capacity", "engine"],
                    help="trace: record a sparse access trace (+ quality); lru: replay a trace through PB-LRU and "
                         "exact LRU; capacity: admitted requests, throughput and TPOT of gpu-only, hisparse, ula-dp "
-                        "and ula-tp")
+                        "and ula-tp; engine: --requests long requests through the engine (kv_tier) per system: how "
+                        "many run at once, throughput, TTFT, and whether the outputs agree")
     p.add_argument("--trace", default="results/kv_trace.jsonl", help="access trace to write (trace) or replay (lru)")
     p.add_argument("--json", default=None, help="results JSON (default: results/bench_kv_<what>.json)")
     p.add_argument("--out-dir", default="results")
@@ -62,6 +63,7 @@ def add_arguments(p):
     p.add_argument("--host-gb", type=float, default=1.0, help="capacity: KV host budget (GiB, all ranks)")
     p.add_argument("--gen", type=int, default=64, help="capacity: output tokens a request may decode (its size)")
     p.add_argument("--decode-steps", type=int, default=8, help="capacity: timed decode steps per batch size")
+    p.add_argument("--requests", type=int, default=16, help="engine: requests submitted at once")
     p.add_argument("--systems", default=None,
                    help="capacity: systems to run (default gpu-only,hisparse,ula-dp,ula-tp; glm-tiny adds "
                         "gpu-only-tp)")
@@ -78,6 +80,8 @@ def add_arguments(p):
 def run(args, engine_kwargs: dict) -> dict:
     if args.what == "capacity":
         return capacity(args, engine_kwargs)
+    if args.what == "engine":
+        return engine_admission(args, engine_kwargs)
     return record_trace(args, engine_kwargs) if args.what == "trace" else replay_lru(args)
 
 
@@ -422,6 +426,71 @@ def write_result(result: dict, args) -> dict:
     bar_chart(png, [f"{r['system']}\n({r['admitted']} req)" for r in rows], [r["peak_tok_s"] for r in rows],
               f"peak decode tok/s, same KV budgets ({args.device_gb:g} GiB device, {args.host_gb:g} GiB host)",
               "tokens / s")
+    print(f"results: {json_path}, {png}")
+    return result
+
+
+# ------------------------------------------------------------------ engine
+
+ENGINE_SYSTEMS = ("gpu-only", "hisparse", "ula-dp")
+
+
+def engine_admission(args, engine_kwargs: dict) -> dict:
+    """The same long requests through LLMEngine's UlaCache mode (kv_tier) for each system at equal budgets."""
+    import statistics
+    import time
+
+    import torch
+    from tqdm import tqdm
+
+    from lanner.bench.report import bar_chart, markdown_table, output_paths, write_json
+    from lanner.engine.sampling import SamplingParams
+    from lanner.kvcache.quest import long_documents
+    from lanner.llm import LLM
+
+    torch.set_num_threads(args.threads)
+    systems = [s for s in (args.systems or ",".join(ENGINE_SYSTEMS)).split(",") if s]
+    params = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
+    rows, outputs, docs = [], {}, None
+    for system in systems:
+        llm = LLM(**engine_kwargs | {"kv_tier": system, "kv_device_gb": args.device_gb, "kv_host_gb": args.host_gb,
+                                     "sparse_budget": args.budget, "sparse_group": args.group or 10,
+                                     "sparse_page": args.page_size, "max_num_seqs": args.requests})
+        eng = llm.engine
+        if docs is None:
+            docs = long_documents(llm.tokenizer, args.doc_tokens, args.docs or 4)
+        reqs = [eng.add_request(docs[i % len(docs)], params) for i in range(args.requests)]
+        running, done, t0 = [], {}, time.perf_counter()
+        with tqdm(total=len(reqs), desc=system, unit="req") as bar:
+            while eng.has_unfinished():
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                        bar.update(1)
+                running.append(len(eng.scheduler.running))
+        wall = time.perf_counter() - t0
+        outs = [done[r.request_id] for r in reqs]
+        errors = [o.error for o in outs if o.error]
+        outputs[system] = [o.token_ids for o in outs]
+        tokens = sum(len(o.token_ids) for o in outs)
+        rows.append({"system": system, "requests": len(reqs), "max_running": max(running), "wall_s": wall,
+                     "output_tok_s": tokens / wall, "errors": errors,
+                     "ttft_p50_s": statistics.median(o.metrics["ttft_s"] for o in outs),
+                     "identical_to_" + systems[0]: outputs[system] == outputs[systems[0]]})
+        llm.close()
+    table = [[r["system"], r["requests"], r["max_running"], f"{r['output_tok_s']:.1f}", f"{r['ttft_p50_s']:.1f}",
+              f"{r['wall_s']:.0f}", "yes" if r["identical_to_" + systems[0]] else "NO", len(r["errors"])]
+             for r in rows]
+    print(markdown_table(["system", "requests", "most running at once", "output tok/s", "TTFT p50 s", "wall s",
+                          f"tokens = {systems[0]}'s", "errors"], table))
+    result = {"benchmark": "kv engine", "engine": engine_kwargs, "doc_tokens": args.doc_tokens, "gen": args.gen,
+              "budget": args.budget, "group": args.group or 10, "page_size": args.page_size,
+              "device_gb": args.device_gb, "host_gb": args.host_gb, "rows": rows}
+    json_path, png = output_paths(args.json, args.out_dir, "bench_kv_engine")
+    write_json(json_path, result)
+    bar_chart(png, [f"{r['system']}\n({r['max_running']} at once)" for r in rows], [r["output_tok_s"] for r in rows],
+              f"{args.requests} x {args.doc_tokens}-token requests through the engine "
+              f"({args.device_gb:g} GiB device, {args.host_gb:g} GiB host)", "output tokens / s")
     print(f"results: {json_path}, {png}")
     return result
 
