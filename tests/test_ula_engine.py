@@ -19,7 +19,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def kv_usage(engine) -> float:
-    return float(re.search(rb"^lanner_kv_cache_usage_ratio (\S+)", engine.metrics.render(), re.M).group(1))
+    return float(re.search(rb"^lanner_kv_cache_usage_ratio (\S+)", engine.metrics.render(), re.MULTILINE).group(1))
 
 
 @pytest.fixture(scope="module")
