@@ -7,8 +7,8 @@ open its whole address range (prompt + max_tokens entries per layer group): a gp
 device pool, HiSparse its host pool and per-request device buffers, ula-dp device + host slots. A request that
 does not fit waits until others finish; one that could never fit is refused when it is made. One request is
 prefilled per step (dense, whole prompt), after one sparse decode step over every running request. Sampling,
-stop handling, outputs and metrics are LLMEngine's; speculative decoding, plugins, prefix caching and tensor
-parallelism do not run here (the config refuses them)."""
+stop handling, outputs and metrics are LLMEngine's; speculative decoding, plugins and tensor parallelism do not
+run here (the config refuses them), nor does prefix caching (every request prefills its whole prompt)."""
 from __future__ import annotations
 
 import logging
