@@ -81,7 +81,7 @@ class UlaEngine(LLMEngine):
                                                                      [r.all_ids[-1] for r in decoding]))
         if sch.can_admit():
             req = sch.waiting[0]
-            max_len = req.num_tokens + req.max_tokens - len(req.output_ids)
+            max_len = len(req.prompt_ids) + req.max_tokens  # nothing is generated before admission
             if self.decoder.cache.can_open(self._entries(max_len)):
                 sch.waiting.popleft()
                 req.status = Status.RUNNING
