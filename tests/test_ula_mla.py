@@ -117,7 +117,7 @@ def test_entries_follow_the_selection_groups(model):
     assert mla_entry_shape(model) == (2, 32 + 8)  # the group's 2 layers' latent (kv_lora_rank + rope)
     b = mla_kv_bytes(model, tp=2)
     assert (b["latent"], b["index_keys"]) == (4 * 40 * 4, 2 * 16 * 4)
-    assert b["per_rank_replicated"] == 640 + 128 and b["per_rank_ula_tp"] == 320 + 128
+    assert b["per_rank_replicated"] == 640 + 128 and b["per_rank_ula_tp"] == (640 + 128) / 2
 
 
 def test_index_key_budget_refuses_admission(model):
@@ -184,6 +184,7 @@ def _tp_worker(rank, port, folder, out):
         dec.prefill("b", prompt("b"), MAX_LEN)
         results["stored_entries"] = int(cache.store.live.sum())
         results["entry_bytes"] = cache.entry_bytes
+        results["index_key_rows"], results["addresses"] = dec.index_keys.shape[0], cache.space.top
         torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         destroy_tp()
@@ -212,6 +213,10 @@ def test_tp2_mla_latent_stored_once_matches_resident_tp_model(model, folder, tmp
     assert abs(stored[0] - stored[1]) <= 2  # ... split evenly (address mod 2)
     per_token = [s * ranks[0]["entry_bytes"] / n_b for s in stored]  # latent bytes per token on each rank
     assert sum(per_token) == ranks[0]["replicated_latent_bytes"]  # vs that on *each* rank when replicated
+    # the indexer keys too are stored once: each rank holds rows for half of the addresses (and the selection,
+    # merged from both ranks' top-k over their own keys, gave the resident model's outputs above)
+    for r in ranks:
+        assert r["index_key_rows"] == -(-r["addresses"] // 2) > 0
 
 
 def test_bench_kv_capacity_glm_tiny(tmp_path):
@@ -223,12 +228,16 @@ def test_bench_kv_capacity_glm_tiny(tmp_path):
           "--out-dir", str(tmp_path), "--dtype", "float32"])
     result = json.loads((tmp_path / "bench_kv_capacity.json").read_text())
     rows = {r["system"]: r for r in result["rows"]}
-    assert list(rows) == ["gpu-only", "hisparse", "ula-dp", "ula-tp", "gpu-only-tp"]
+    assert list(rows) == ["gpu-only", "hisparse", "ula-dp", "ula-tp", "hisparse-tp", "gpu-only-tp"]
     per_req = result["request_bytes"] + result["request_index_key_bytes"]  # every system keeps the indexer keys
     assert rows["gpu-only"]["admitted"] == int(dev * 2 ** 30 // per_req)
     assert rows["gpu-only-tp"]["admitted"] == int(dev / 2 * 2 ** 30 // per_req)  # each rank: everything, half budget
     assert rows["ula-dp"]["admitted"] > rows["hisparse"]["admitted"] > rows["gpu-only"]["admitted"]
     assert rows["ula-tp"]["admitted"] > rows["gpu-only-tp"]["admitted"]
+    # HiSparse under TP holds the whole (replicated) history on every rank: half the budget per copy
+    assert rows["ula-tp"]["admitted"] > rows["hisparse-tp"]["admitted"] > 0
+    assert result["ratios"]["ula-tp/hisparse-tp"]["admitted"] == rows["ula-tp"]["admitted"] / rows["hisparse-tp"][
+        "admitted"]
     for r in rows.values():
         assert r["next_refused"] and r["limit"], r
         assert r["peak_tok_s"] > 0 and r["tpot_ms"]["1"] > 0

@@ -14,9 +14,14 @@
   token at batch 1-8 (ula: also with the layer-group prefetch); step times are medians over --decode-steps.
   `--kv-model glm-tiny`: the same on a tiny random GLM-5-architecture model (MLA latent entries, the DSA indexer's
   top-k as the selection, --budget = index_topk; prompts are random tokens), with ula-tp running the model itself
-  under TP (heads split over 2 gloo ranks), an extra gpu-only-tp row (the plain TP model: every rank stores the
-  whole latent) and a report of KV bytes per token per rank, replicated vs UlaCache TP. The indexer keys stay
-  resident on the device (every rank) in every system and are counted in its device budget.
+  under TP (heads split over 2 gloo ranks), two more rows run by the same TP model: gpu-only-tp (the plain TP
+  model: every rank stores the whole latent) and hisparse-tp (HiSparse under TP: every rank keeps the whole
+  latent history on its host and its own device buffers, as the latent is replicated under TP), and a report of KV
+  bytes per token per rank, replicated vs UlaCache TP. The indexer keys stay resident on the device in every
+  system and are counted in its device budget: on every rank, except under ula-tp, where each key lives on one
+  rank (address mod P) like the latent and the ranks merge their top-k.
+  Ratios: admitted requests and peak throughput of ula-dp and ula-tp against hisparse, and of ula-tp against
+  hisparse-tp (the TP deployment of the same baseline).
 """
 from __future__ import annotations
 
@@ -66,11 +71,13 @@ def add_arguments(p):
     p.add_argument("--requests", type=int, default=16, help="engine: requests submitted at once")
     p.add_argument("--systems", default=None,
                    help="capacity: systems to run (default gpu-only,hisparse,ula-dp,ula-tp; glm-tiny adds "
-                        "gpu-only-tp)")
+                        "hisparse-tp,gpu-only-tp)")
     p.add_argument("--hisparse-buffer", type=int, default=0,
                    help="capacity: hisparse device buffer per request, tokens per layer group (default 2 x budget)")
-    p.add_argument("--tp-buffer", type=float, default=0.25,
-                   help="capacity: ula-tp share of each rank's device budget for its buffer of selected entries")
+    p.add_argument("--tp-buffer", type=float, default=0.5,
+                   help="capacity: ula-tp share of each rank's device budget for its buffer of other ranks' selected "
+                        "entries (a step may find all of a selection on one rank: the home pool and the buffer must "
+                        "each hold a whole step, so an even split admits the largest batch)")
     p.add_argument("--threads", type=int, default=1, help="capacity: torch threads per process (rank)")
     p.add_argument("--kv-model", choices=["default", "glm-tiny"], default="default",
                    help="capacity: default: --model (dense, Quest selection); glm-tiny: a tiny random GLM-5-"
@@ -156,7 +163,7 @@ def batch_steps(requests, batch: int, max_ctx: int):
     steps = []
     for t in range(n_steps):
         parts = [requests[i % len(requests)][t][g] + (i * G + g) * max_ctx for i in range(batch) for g in range(G)]
-        steps.append(torch.cat(parts))
+        steps.append(torch.unique(torch.cat(parts)))  # what an engine hands the policy: deduplicated, sorted
     return steps, batch * G * max_ctx
 
 
@@ -188,7 +195,7 @@ def replay_lru(args) -> dict:
                 pol = make()
                 t0 = time.perf_counter()
                 for s in steps:
-                    pol.access(s)
+                    pol.access(s, unique=True)
                 dt = (time.perf_counter() - t0) / len(steps)
                 best = dt if best is None else min(best, dt)
                 hit = pol.hit_rate
@@ -417,10 +424,24 @@ def print_rows(rows: list[dict]):
     print(markdown_table(headers, table))
 
 
+def ratios(rows: list[dict]) -> dict:
+    """Admitted requests and peak decode throughput of UlaCache against the HiSparse baseline(s) in the run."""
+    by = {r["system"]: r for r in rows}
+    out = {}
+    for ula, base in (("ula-dp", "hisparse"), ("ula-tp", "hisparse"), ("ula-tp", "hisparse-tp")):
+        if ula in by and base in by and by[base]["admitted"] and by[base]["peak_tok_s"]:
+            out[f"{ula}/{base}"] = {"admitted": by[ula]["admitted"] / by[base]["admitted"],
+                                    "peak_tok_s": by[ula]["peak_tok_s"] / by[base]["peak_tok_s"]}
+    for k, v in out.items():
+        print(f"{k}: admitted {v['admitted']:.2f}x, peak decode throughput {v['peak_tok_s']:.2f}x")
+    return out
+
+
 def write_result(result: dict, args) -> dict:
     from lanner.bench.report import bar_chart, output_paths, write_json
 
     rows = result["rows"]
+    result["ratios"] = ratios(rows)
     json_path, png = output_paths(args.json, args.out_dir, "bench_kv_capacity")
     write_json(json_path, result)
     bar_chart(png, [f"{r['system']}\n({r['admitted']} req)" for r in rows], [r["peak_tok_s"] for r in rows],
@@ -497,20 +518,21 @@ def engine_admission(args, engine_kwargs: dict) -> dict:
 
 # ------------------------------------------------------------------ capacity on a tiny GLM-5-architecture model
 
-MLA_TP_SYSTEMS = ("ula-tp", "gpu-only-tp")  # run by the model under TP (heads split over TP_RANKS gloo ranks)
+MLA_TP_SYSTEMS = ("ula-tp", "hisparse-tp", "gpu-only-tp")  # run by the model under TP (heads split over TP_RANKS)
 
 
 def mla_decoder(model, system: str, args, device_gb: float, host_gb: float, group=None):
     """(decoder, requests it admits) for the MLA model. Every system keeps every admitted request's indexer keys
-    resident on the device (on every rank: the indexer is replicated) out of the same device budget: the KV pools
-    get what n requests' keys leave, for the largest n whose KV then still fits."""
+    resident on the device (on every rank: the indexer is replicated; ula-tp: each key on one rank) out of the same
+    device budget: the KV pools get what n requests' keys leave, for the largest n whose KV then still fits."""
     from lanner.kvcache.ula import GB, MlaDecoder, mla_entry_shape, selection_groups
 
     shape, groups = mla_entry_shape(model), len(selection_groups(model))
     dtype = model.embed_tokens.weight.dtype
     max_len = args.doc_tokens + args.gen
     n_entries = groups * max_len
-    keys_gb = n_entries * model.hf["index_head_dim"] * dtype.itemsize / GB  # one request's indexer keys
+    key_rows = -(-n_entries // TP_RANKS) if system == "ula-tp" else n_entries  # one request's keys on this rank
+    keys_gb = key_rows * model.hf["index_head_dim"] * dtype.itemsize / GB
     step_entries = model.hf["index_topk"] + 1  # one request's selection and new token, per group
 
     def build(n):
@@ -594,7 +616,7 @@ def capacity_mla(args, engine_kwargs: dict) -> dict:
     if cfg.device != "cpu":
         raise SystemExit("lanner bench kv capacity runs on the CPU (ula-tp uses gloo)")
     dtype = cfg.torch_dtype
-    systems = [s for s in (args.systems or ",".join(SYSTEMS + ("gpu-only-tp",))).split(",") if s]
+    systems = [s for s in (args.systems or ",".join(SYSTEMS + ("hisparse-tp", "gpu-only-tp"))).split(",") if s]
     args.hisparse_buffer = args.hisparse_buffer or 2 * args.budget
     max_len = args.doc_tokens + args.gen
     g = torch.Generator().manual_seed(0)
@@ -624,9 +646,9 @@ def capacity_mla(args, engine_kwargs: dict) -> dict:
     print(markdown_table(
         [f"KV bytes per token per rank, TP{TP_RANKS}", "latent", "indexer keys", "total"],
         [["replicated (plain TP model, gpu-only-tp)", dup["latent"], dup["index_keys"], dup["per_rank_replicated"]],
-         ["UlaCache TP (each entry on one rank)", fmt(dup["latent"] / TP_RANKS), dup["index_keys"],
-          fmt(dup["per_rank_ula_tp"])],
-         ["UlaCache TP, measured on rank 0", fmt(dup["measured_ula_tp_latent_rank0"]), dup["index_keys"], "-"]]))
+         ["UlaCache TP (each entry and key on one rank)", fmt(dup["latent"] / TP_RANKS),
+          fmt(dup["index_keys"] / TP_RANKS), fmt(dup["per_rank_ula_tp"])],
+         ["UlaCache TP, measured on rank 0", fmt(dup["measured_ula_tp_latent_rank0"]), "-", "-"]]))
     entry_bytes = math.prod(shape) * dtype.itemsize
     result = {"model": "glm-tiny (random GLM-5 architecture: 4 layers, 2 selection groups, MLA latent 32 + 8)",
               "dtype": cfg.dtype, "device": "cpu", "threads_per_process": args.threads,

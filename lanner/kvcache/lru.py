@@ -12,7 +12,12 @@ Two policies with one interface:
   free bucket, then the coldest bucket onward, found through a two-level bitmap (per-bucket counts per 64-slot
   word, then the words' slots), never among the entries this step needs.
 - `ExactLRU`: a per-slot timestamp and a top-k over all slots for the victims: the reference for hit rates.
-Both avoid per-entry Python: cost per step is a fixed number of tensor ops (PB-LRU: plus a loop over buckets).
+Both avoid per-entry Python: cost per step is a fixed number of tensor ops (PB-LRU: plus a loop over the
+buckets it takes victims from).
+
+Per-slot tables are indexed by slot + 1: row 0 is a sentinel that absorbs the misses' slot -1, so a step's
+recency update is one pass over all its slots with no boolean selection of the hits (index_select and
+index_fill_ on contiguous indices are the fast CPU gathers; masks and advanced indexing cost 3-8x more).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ WORD = 64  # slots per leaf word of PB-LRU's bitmap
 
 @dataclass
 class Plan:
-    addrs: torch.Tensor  # [n] unique addresses this step needs
+    addrs: torch.Tensor  # [n] unique addresses this step needs, sorted
     hit: torch.Tensor  # [n] bool: already resident
     load_addrs: torch.Tensor  # [m] the misses, to be copied in ...
     load_slots: torch.Tensor  # [m] ... to these slots (after their current entries were written back / dropped)
@@ -50,35 +55,37 @@ class Policy:
             self.addr_slot = torch.cat([self.addr_slot, self.addr_slot.new_full((num_addrs - self.num_addrs,), -1)])
             self.num_addrs = num_addrs
 
-    def plan(self, addrs: torch.Tensor) -> Plan:
-        addrs = torch.unique(addrs)
-        if addrs.numel() > self.num_slots:
-            raise ValueError(f"a step needs {addrs.numel()} entries but the device pool has {self.num_slots} slots")
-        if addrs.numel() and int(addrs.max()) >= self.num_addrs:
-            raise IndexError(f"address {int(addrs.max())} outside the address space ({self.num_addrs})")
-        slots = self.addr_slot[addrs]
-        hit = slots >= 0
-        self.hits += int(hit.sum())
-        self.accesses += addrs.numel()
-        self._touch(slots[hit])
-        protected = torch.zeros(self.num_slots, dtype=torch.bool)
-        protected[slots[hit]] = True
+    def plan(self, addrs: torch.Tensor, unique: bool = False) -> Plan:
+        """unique=True: `addrs` is already sorted and unique (torch.unique's output), which the caller often has."""
+        if not unique:
+            addrs = torch.unique(addrs)
+        n = addrs.numel()
+        if n > self.num_slots:
+            raise ValueError(f"a step needs {n} entries but the device pool has {self.num_slots} slots")
+        if n and (int(addrs[-1]) >= self.num_addrs or int(addrs[0]) < 0):
+            raise IndexError(f"addresses {int(addrs[0])}..{int(addrs[-1])} outside the address space "
+                             f"(0..{self.num_addrs - 1})")
+        slot1 = self.addr_slot.index_select(0, addrs) + 1  # 0: not resident (the sentinel row)
+        hit = slot1 > 0
         miss = addrs[~hit]
-        victims = self._victims(miss.numel(), protected)
-        old = self.slot_addr[victims]
+        self.hits += n - miss.numel()
+        self.accesses += n
+        self._touch(slot1, resident=True)  # the step's hits become its most recent, hence protected, slots
+        victims = self._victims(miss.numel(), slot1)
+        old = self.slot_addr.index_select(0, victims)
         return Plan(addrs, hit, miss, victims, old[old >= 0])
 
     def commit(self, plan: Plan):
         """After the data moved: point the evicted addresses at nothing and the loaded ones at their slots."""
-        self.addr_slot[plan.evicted_addrs] = -1
-        self.addr_slot[plan.load_addrs] = plan.load_slots
-        self.slot_addr[plan.load_slots] = plan.load_addrs
-        self._touch(plan.load_slots)
+        self.addr_slot.index_fill_(0, plan.evicted_addrs, -1)
+        self.addr_slot.index_copy_(0, plan.load_addrs, plan.load_slots)
+        self.slot_addr.index_copy_(0, plan.load_slots, plan.load_addrs)
+        self._touch(plan.load_slots + 1, resident=False)
         self.step += 1
 
-    def access(self, addrs: torch.Tensor) -> Plan:
+    def access(self, addrs: torch.Tensor, unique: bool = False) -> Plan:
         """plan + commit, for replaying traces (no data to move)."""
-        p = self.plan(addrs)
+        p = self.plan(addrs, unique)
         self.commit(p)
         return p
 
@@ -89,7 +96,7 @@ class Policy:
         """Drops entries (their request finished): their slots become free ones; returns those slots."""
         slots = self.addr_slot[addrs]
         slots = slots[slots >= 0]
-        self._free(slots)
+        self._free(slots + 1)
         self.addr_slot[addrs] = -1
         self.slot_addr[slots] = -1
         return slots
@@ -98,105 +105,124 @@ class Policy:
     def hit_rate(self) -> float:
         return self.hits / self.accesses if self.accesses else 0.0
 
-    def _touch(self, slots: torch.Tensor):
+    # slot1: slot + 1 (0 = the sentinel, for misses). resident=False: some slots may be free ones.
+    def _touch(self, slot1: torch.Tensor, resident: bool):
         raise NotImplementedError
 
-    def _victims(self, n: int, protected: torch.Tensor) -> torch.Tensor:
+    def _victims(self, n: int, step_slot1: torch.Tensor) -> torch.Tensor:
+        """n distinct slots to load into, none of them holding an entry of this step (`step_slot1`)."""
         raise NotImplementedError
 
-    def _free(self, slots: torch.Tensor):
+    def _free(self, slot1: torch.Tensor):
         raise NotImplementedError
 
 
 class ExactLRU(Policy):
-    """Timestamp LRU: the slot used longest ago goes first (free slots have timestamp -1)."""
+    """Timestamp LRU: the slot used longest ago goes first (free slots have timestamp -1). The step's own slots
+    carry the newest timestamp, so the top-k of the oldest never reaches them while the pool can hold the step."""
 
     name = "lru"
 
     def __init__(self, num_slots: int, num_addrs: int):
         super().__init__(num_slots, num_addrs)
-        self.last_use = torch.full((num_slots,), -1, dtype=torch.long)
+        self.last_use = torch.full((num_slots + 1,), -1, dtype=torch.long)  # [0]: sentinel
 
-    def _touch(self, slots):
-        self.last_use[slots] = self.step
+    def _touch(self, slot1, resident):
+        self.last_use.index_fill_(0, slot1, self.step)
 
-    def _free(self, slots):
-        self.last_use[slots] = -1
+    def _free(self, slot1):
+        self.last_use.index_fill_(0, slot1, -1)
 
-    def _victims(self, n, protected):
+    def _victims(self, n, step_slot1):
         if n == 0:
             return torch.empty(0, dtype=torch.long)
-        age = self.last_use.masked_fill(protected, torch.iinfo(torch.long).max)
-        return torch.topk(age, n, largest=False, sorted=False).indices
+        return torch.topk(self.last_use[1:], n, largest=False, sorted=False).indices
 
 
 class PBLRU(Policy):
     """Parallel bucketed LRU. A slot remembers the epoch of its last use; its bucket is that epoch modulo B,
     except that epochs older than the B-1 most recent all count as the coldest bucket (so expiring a bucket is
-    adding one row of counts into the next, with no pass over the slots). Bucket id B is the free bucket."""
+    adding one row of counts into the next, with no pass over the slots). Bucket id B is the free bucket.
+
+    Level 1 of the bitmap, `count[b, 1 + w]`: how many slots of word w are in bucket b (column 0 belongs to the
+    sentinel and is never read). Touching a slot moves one count between two rows; finding victims reads a
+    bucket's row, then the slots of only those words that cover what is still needed."""
 
     name = "pb-lru"
 
     def __init__(self, num_slots: int, num_addrs: int, num_buckets: int = 64, span: int = 1):
         super().__init__(num_slots, num_addrs)
-        if num_buckets < 2:
-            raise ValueError("num_buckets must be >= 2")
+        if num_buckets < 2 or num_buckets & (num_buckets - 1):
+            raise ValueError(f"num_buckets must be a power of two >= 2, got {num_buckets}")
+        if span < 1:
+            raise ValueError("span must be >= 1")
         self.B, self.span = num_buckets, span
         self.words = -(-num_slots // WORD)
-        self.slot_epoch = torch.full((num_slots,), -1, dtype=torch.long)  # -1: free
-        # level 1 of the bitmap: per bucket, how many of its slots each 64-slot word holds
-        self.word_count = torch.zeros(num_buckets + 1, self.words, dtype=torch.long)
-        self.word_count[num_buckets].index_add_(0, torch.arange(num_slots) // WORD,
-                                                torch.ones(num_slots, dtype=torch.long))
+        self.row = self.words + 1  # count columns per bucket: the sentinel's, then one per word
+        self.slot_epoch = torch.full((num_slots + 1,), -1, dtype=torch.long)  # -1: free
+        self.slot_epoch[0] = 0  # the sentinel always reads as resident, so hits need no free-slot test
+        self.count = torch.zeros((num_buckets + 1) * self.row, dtype=torch.long)
+        self.count.view(num_buckets + 1, self.row)[num_buckets, 1:].index_add_(
+            0, torch.arange(num_slots) // WORD, torch.ones(num_slots, dtype=torch.long))
         self.epoch = 0
+        self._lanes = torch.arange(WORD)
 
-    def _bucket(self, slots):
-        e = self.slot_epoch[slots]
-        return torch.where(e < 0, self.B, e.clamp(min=self.epoch - self.B + 1) % self.B)
+    def _bucket(self, epochs, resident: bool):
+        b = epochs.clamp(min=self.epoch - self.B + 1) & (self.B - 1)
+        return b if resident else torch.where(epochs < 0, self.B, b)
 
     def _advance(self):
         epoch = self.step // self.span
+        rows = self.count.view(self.B + 1, self.row)
         while self.epoch < epoch:
             # the coldest bucket's id is reused by the new epoch: its entries join the next-coldest bucket
             self.epoch += 1
-            cur = self.epoch % self.B
-            self.word_count[(cur + 1) % self.B] += self.word_count[cur]
-            self.word_count[cur].zero_()
+            cur = self.epoch & (self.B - 1)
+            rows[(cur + 1) & (self.B - 1)] += rows[cur]
+            rows[cur].zero_()
 
-    def _touch(self, slots):
+    def _move(self, slot1, resident: bool, to_bucket: int):
+        col = (slot1 + WORD - 1) >> 6  # word + 1; the sentinel (slot1 0) lands in column 0
+        old = self._bucket(self.slot_epoch.index_select(0, slot1), resident)
+        ones = torch.ones_like(col)
+        self.count.index_add_(0, col.add(old, alpha=self.row), ones, alpha=-1)
+        self.count.index_add_(0, col.add(to_bucket * self.row), ones)
+
+    def _touch(self, slot1, resident):
         self._advance()
-        if slots.numel() == 0:  # slots are unique: they come from unique addresses
-            return
-        w = slots // WORD
-        self.word_count.index_put_((self._bucket(slots), w), torch.full_like(w, -1), accumulate=True)
-        self.word_count[self.epoch % self.B].index_add_(0, w, torch.ones_like(w))
-        self.slot_epoch[slots] = self.epoch
+        if slot1.numel():  # slots are unique: they come from unique addresses
+            self._move(slot1, resident, self.epoch & (self.B - 1))
+            self.slot_epoch.index_fill_(0, slot1, self.epoch)
+            self.slot_epoch[0] = 0
 
-    def _free(self, slots):
-        if slots.numel() == 0:
-            return
-        w = slots // WORD
-        self.word_count.index_put_((self._bucket(slots), w), torch.full_like(w, -1), accumulate=True)
-        self.word_count[self.B].index_add_(0, w, torch.ones_like(w))
-        self.slot_epoch[slots] = -1
+    def _free(self, slot1):
+        if slot1.numel():
+            self._move(slot1, True, self.B)
+            self.slot_epoch.index_fill_(0, slot1, -1)
 
-    def _victims(self, n, protected):
+    def _victims(self, n, step_slot1):
         if n == 0:
             return torch.empty(0, dtype=torch.long)
         self._advance()
-        cur = self.epoch % self.B
-        order = [self.B] + [(cur + 1 + i) % self.B for i in range(self.B)]  # free, coldest ... current
-        found, need, slack = [], n, int(protected.sum())
+        cur = self.epoch & (self.B - 1)
+        rows = self.count.view(self.B + 1, self.row)[:, 1:]
+        sizes = rows.sum(1).tolist()  # level 0: slots per bucket
+        order = [self.B] + [(cur + 1 + i) & (self.B - 1) for i in range(self.B)]  # free, coldest ... current
+        found, need = [], n
         for b in order:
-            counts = self.word_count[b]
-            words = counts.nonzero().flatten()
-            if words.numel() == 0:
+            if sizes[b] == 0:
                 continue
-            # level 2: only the words that can cover what is still needed (plus protected slots inside them)
-            upto = int(torch.searchsorted(counts[words].cumsum(0), need + slack)) + 1
-            cand = (words[:upto, None] * WORD + torch.arange(WORD)).flatten()
+            counts = rows[b]
+            words = counts.nonzero().flatten()
+            # level 2: the slots of only the words that cover what is still needed; the current bucket (span > 1
+            # only: otherwise it is exactly this step's slots) also holds protected slots, so it is read whole
+            upto = words.numel() if b == cur else int(torch.searchsorted(counts[words].cumsum(0), need)) + 1
+            cand = (words[:upto, None] * WORD + self._lanes).flatten()
             cand = cand[cand < self.num_slots]
-            cand = cand[(self._bucket(cand) == b) & ~protected[cand]][:need]
+            keep = self._bucket(self.slot_epoch.index_select(0, cand + 1), False) == b
+            if b == cur:
+                keep &= ~torch.isin(cand + 1, step_slot1)
+            cand = cand[keep][:need]
             found.append(cand)
             need -= cand.numel()
             if need == 0:

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lanner.distributed import all_gather_last
 from lanner.kvcache.lru import PBLRU, ExactLRU
 from lanner.layers.attention import AttentionMetadata
 
@@ -148,9 +149,10 @@ class TieredStore:
             self.host_slot = torch.cat([self.host_slot, self.host_slot.new_full((extra,), -1)])
             self.live = torch.cat([self.live, self.live.new_zeros(extra)])
 
-    def move(self, addrs: torch.Tensor, fresh: torch.Tensor) -> StoreMove:
-        """Plans making `addrs` device-resident; `fresh` (new entries, no data yet) just get slots."""
-        return StoreMove(self, addrs, fresh)
+    def move(self, addrs: torch.Tensor, fresh: torch.Tensor, unique: bool = False) -> StoreMove:
+        """Plans making `addrs` device-resident; `fresh` (new entries, no data yet) just get slots.
+        unique: `addrs` is already sorted and unique."""
+        return StoreMove(self, addrs, fresh, unique)
 
     def write(self, addrs: torch.Tensor, data: torch.Tensor):
         """New entries with their data (a prefill), in chunks the device pool can take; older ones spill to host."""
@@ -198,9 +200,9 @@ class StoreMove:
     """One step's data movement in a TieredStore: run() copies (optionally a slice of the entry's layers at a
     time), finish() commits the mapping once the data is in place."""
 
-    def __init__(self, st: TieredStore, addrs: torch.Tensor, fresh: torch.Tensor):
+    def __init__(self, st: TieredStore, addrs: torch.Tensor, fresh: torch.Tensor, unique: bool = False):
         self.st = st
-        plan = st.policy.plan(addrs)
+        plan = st.policy.plan(addrs, unique)
         miss = plan.load_addrs
         src = st.host_slot[miss]
         from_host = src >= 0
@@ -400,7 +402,7 @@ class UlaDP(KVBackend):
         self.store.write(addrs, data)
 
     def fetch(self, rids, addrs, valid, fresh) -> Fetch:
-        m = self.store.move(torch.unique(addrs), fresh)
+        m = self.store.move(torch.unique(addrs), fresh, unique=True)
         self._count(int(m.plan.hit.sum()), m.plan.addrs.numel() - fresh.numel())
         return Fetch(self.store.dev, m.slots_of(addrs), m.slots_of(fresh), m.run, m.finish)
 
@@ -523,7 +525,7 @@ class UlaTP(KVBackend):
 
     name = "ula-tp"
 
-    def __init__(self, shape, dtype, kv_device_gb: float, kv_host_gb: float, buffer_frac: float = 0.25,
+    def __init__(self, shape, dtype, kv_device_gb: float, kv_host_gb: float, buffer_frac: float = 0.5,
                  device: str = "cpu", poison: bool = False, buckets: int = 64, group=None):
         super().__init__(shape, dtype, poison)
         self.group = group
@@ -576,7 +578,7 @@ class UlaTP(KVBackend):
         P, rank = self.P, self.rank
         need = torch.unique(addrs)
         own = need % P == rank
-        plan = self.bufpol.plan(need[~own])  # plan.addrs == need[~own]
+        plan = self.bufpol.plan(need[~own], unique=True)  # plan.addrs == need[~own]
         miss = plan.load_addrs
         want = miss[~torch.isin(miss, fresh)]  # a remote new token's entry was computed here too
         union = torch.unique(torch.cat(_all_gather_rows(want, group=self.group)))  # what any rank misses
@@ -618,18 +620,19 @@ class UlaTP(KVBackend):
 # ------------------------------------------------------------------ sparse decoding over a backend
 
 def make_backend(system: str, shape, dtype, device_gb: float, host_gb: float, hisparse_buffer: int = 0,
-                 tp_buffer: float = 0.25, group=None, device: str = "cpu", poison: bool = False) -> KVBackend:
+                 tp_buffer: float = 0.5, group=None, device: str = "cpu", poison: bool = False) -> KVBackend:
     """A system's KV backend under these budgets (ula-tp: this rank's share). hisparse_buffer: entries in each
     request's device buffer; tp_buffer: ula-tp's buffer share of the device budget."""
     if system in ("gpu-only", "gpu-only-tp"):  # under TP every rank keeps every entry (the plain model's cache)
         return GpuOnly(shape, dtype, device_gb, device, poison)
-    if system == "hisparse":
+    if system in ("hisparse", "hisparse-tp"):  # under TP every rank holds the same (replicated latent) history
         return HiSparse(shape, dtype, device_gb, host_gb, hisparse_buffer, device, poison)
     if system == "ula-dp":
         return UlaDP(shape, dtype, device_gb, host_gb, device, poison)
     if system == "ula-tp":
         return UlaTP(shape, dtype, device_gb, host_gb, tp_buffer, device, poison, group=group)
-    raise ValueError(f"unknown KV system {system!r}; choose from gpu-only, hisparse, ula-dp, ula-tp")
+    raise ValueError(f"unknown KV system {system!r}; choose from gpu-only, hisparse, ula-dp, ula-tp (and, for a "
+                     "model run under TP, gpu-only-tp, hisparse-tp)")
 
 
 def quest_pages(qp, kmax, kmin, ctx, page: int, budget: int) -> torch.Tensor:
@@ -913,13 +916,13 @@ def mla_entry_shape(model) -> tuple[int, int]:
 
 def mla_kv_bytes(model, tp: int, dtype: torch.dtype | None = None) -> dict:
     """KV bytes per context token: the latent (every layer) and the indexer keys (indexer layers), and what one
-    rank stores under TP: replicated (every rank holds the whole latent, as the plain model does) vs UlaCache TP
-    (each latent entry on one rank); the indexer keys stay resident and replicated in both."""
+    rank stores under TP: replicated (every rank holds the whole latent and every key, as the plain model does)
+    vs UlaCache TP (each latent entry and each indexer key on one rank)."""
     e = torch.empty((), dtype=dtype or model.embed_tokens.weight.dtype).element_size()
     latent = len(model.layers) * (model.hf["kv_lora_rank"] + model.hf["qk_rope_head_dim"]) * e
     index = len(selection_groups(model)) * model.hf["index_head_dim"] * e
     return {"tp": tp, "latent": latent, "index_keys": index, "per_rank_replicated": latent + index,
-            "per_rank_ula_tp": latent / tp + index, "unique_fraction_replicated": 1 / tp}
+            "per_rank_ula_tp": (latent + index) / tp, "unique_fraction_replicated": 1 / tp}
 
 
 @dataclass
@@ -966,16 +969,41 @@ class _LatentView:
 
 
 class _IndexView:
-    """The indexer keys of group g's indexer layer: resident, one row per entry (its address)."""
+    """The indexer keys of group g's indexer layer: resident, one row per entry (its address; under UlaTP this
+    rank's entries only, row address // P, and the selection is merged across ranks by `select_top`)."""
 
     def __init__(self, dec, g: int):
         self.dec, self.g = dec, g
+        if dec.shard is not None:
+            self.select_top = self._select_top
 
     def __setitem__(self, slots, keys):
-        self.dec.index_keys[self.dec.address(slots, self.g)] = keys
+        self.dec.set_index_keys(self.dec.address(slots, self.g), keys)
 
     def __getitem__(self, slots):
+        if self.dec.shard is not None:
+            raise RuntimeError("indexer keys are sharded over the TP ranks: read them through select_top")
         return self.dec.index_keys[self.dec.address(slots, self.g)]
+
+    def _select_top(self, indexer, q, w, step):
+        """This rank scores the context positions it stores keys for (every P-th position of each request), keeps
+        its top k, and the ranks' candidates are merged: the global top k is within the union of the local ones.
+        -> context positions [B, Qmax, topk], as Indexer.forward returns."""
+        P, rank = self.dec.shard
+        addrs = self.dec.address(step.ctx_slots, self.g)  # [B, L]; a request's context addresses are consecutive
+        L = addrs.shape[1]
+        first = (rank - addrs[:, 0]) % P  # this rank's first column per request
+        cols = first[:, None] + P * torch.arange(-(-L // P))  # [B, ceil(L / P)]
+        inside = cols < L
+        cols = cols.clamp(max=L - 1)  # columns past the context are masked below
+        keys = self.dec.index_keys[addrs.gather(1, cols) // P]
+        allowed = step.allowed.gather(2, cols[:, None, :].expand(-1, step.allowed.shape[1], -1)) & inside[:, None]
+        k = min(indexer.topk, cols.shape[1])  # the same on every rank
+        vals, top = indexer.top(q, w, keys, allowed, k)
+        pos = cols.gather(1, top.flatten(1)).view_as(top)
+        # one gather: positions ride along as float32 (exact below 2**24)
+        both = all_gather_last(torch.stack([vals, pos.float()]), [k] * P)
+        return both[1].gather(2, both[0].topk(indexer.topk, dim=-1).indices).long()
 
 
 class MlaDecoder:
@@ -992,7 +1020,10 @@ class MlaDecoder:
 
     Indexer keys (index_head_dim per token and group) stay resident in one tensor indexed by address: the indexer
     scores the whole history every step. `index_gb` caps them (CacheFull at admission), so a system's device budget
-    can count them; under TP every rank holds all of them, as every rank runs the same (replicated) indexer.
+    can count them. Under TP every rank holds all of them, as every rank runs the same (replicated) indexer, except
+    over UlaTP: there, like the latent, a key lives on rank address mod P only (row address // P), each rank scores
+    its own positions and the ranks merge their top-k candidates (one all_gather of k scores and positions per
+    request and indexer layer), so the keys are stored once and the indexer's work is split P ways.
 
     Prefill is the plain model over plain caches (all resident); its entries are then written through the backend."""
 
@@ -1005,6 +1036,7 @@ class MlaDecoder:
         self.dtype = model.embed_tokens.weight.dtype
         self.topk = model.hf["index_topk"]
         self.budget = self.topk + 1  # entries one request's step needs per group: its selection and its new token
+        self.shard = (cache.P, cache.rank) if isinstance(cache, UlaTP) else None
         self.index_keys = torch.empty(0, model.hf["index_head_dim"], dtype=self.dtype)
         self.index_bytes = model.hf["index_head_dim"] * self.index_keys.element_size()  # per entry
         self.index_limit = None if index_gb is None else round(index_gb * GB) // self.index_bytes
@@ -1041,20 +1073,20 @@ class MlaDecoder:
         if max_len > self.max_len or pre.tokens >= max_len:
             raise ValueError(f"max_len {max_len}: the decoder takes up to {self.max_len}, the prompt has "
                              f"{pre.tokens} tokens")
-        n_entries = self.groups * max_len
-        if self.index_limit is not None and self.index_reserved + n_entries > self.index_limit:
-            raise CacheFull(f"indexer keys: {n_entries} more entries, room for "
+        n_keys = self._key_rows(self.groups * max_len)
+        if self.index_limit is not None and self.index_reserved + n_keys > self.index_limit:
+            raise CacheFull(f"indexer keys: {n_keys} more entries, room for "
                             f"{self.index_limit - self.index_reserved}")
-        base = self.cache.open(rid, n_entries)
-        self.index_reserved += n_entries
-        top = self.cache.space.top
+        base = self.cache.open(rid, self.groups * max_len)
+        self.index_reserved += n_keys
+        top = self._key_rows(self.cache.space.top)
         if self.index_keys.shape[0] < top:
             grow = self.index_keys.new_empty(top - self.index_keys.shape[0], self.index_keys.shape[1])
             self.index_keys = torch.cat([self.index_keys, grow.fill_(math.nan) if self.cache.poison else grow])
         n = pre.tokens
         addrs = base + torch.arange(self.groups)[:, None] * max_len + torch.arange(n)  # [groups, n]
         self.cache.write(addrs.flatten(), pre.entries.reshape(self.groups * n, *self.cache.shape))
-        self.index_keys[addrs.flatten()] = pre.index_keys.reshape(self.groups * n, -1)
+        self.set_index_keys(addrs.flatten(), pre.index_keys.reshape(self.groups * n, -1))
         self.reqs[rid] = _Req(-1, base, max_len, n)  # row -1: no page bounds (the indexer keys replace them)
 
     def prefill(self, rid, tokens: list[int], max_len: int) -> torch.Tensor:
@@ -1065,9 +1097,21 @@ class MlaDecoder:
     def close(self, rid):
         r = self.reqs.pop(rid)
         self.cache.close(rid)
-        self.index_reserved -= self.groups * r.max_len
+        self.index_reserved -= self._key_rows(self.groups * r.max_len)
         if self.cache.poison:
-            self.index_keys[r.base : r.base + self.groups * r.max_len] = math.nan
+            self.set_index_keys(torch.arange(r.base, r.base + self.groups * r.max_len), math.nan)
+
+    def _key_rows(self, n: int) -> int:
+        """Indexer-key rows this rank stores for n consecutive addresses (at most)."""
+        return n if self.shard is None else -(-n // self.shard[0])
+
+    def set_index_keys(self, addrs: torch.Tensor, keys):
+        if self.shard is None:
+            self.index_keys[addrs] = keys
+            return
+        P, rank = self.shard
+        mine = addrs % P == rank
+        self.index_keys[addrs[mine] // P] = keys if isinstance(keys, float) else keys[mine]
 
     def length(self, rid) -> int:
         return self.reqs[rid].len

@@ -205,7 +205,8 @@ def gather_selected_latent(latent_cache: torch.Tensor, slots: torch.Tensor) -> t
 
 class Indexer(nn.Module):
     """DSA lightning indexer: scores every context token for every query with a few small ReLU heads and
-    keeps the top `index_topk`. Replicated under TP: every rank computes the same selection."""
+    keeps the top `index_topk`. Replicated under TP: every rank computes the same selection (over UlaCache TP
+    every rank scores only the positions whose keys it stores and the ranks merge their top-k: the same set)."""
 
     def __init__(self, hf: dict, interleaved: bool):
         super().__init__()
@@ -231,16 +232,26 @@ class Indexer(nn.Module):
             return step.select_all()
         q = step.pad(self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)).float()
         w = step.pad(self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5)
-        keys = key_cache[step.ctx_slots].float().transpose(1, 2).unsqueeze(1)  # [B, 1, D, L]
-        B, Q = q.shape[:2]
+        if hasattr(key_cache, "select_top"):  # UlaCache TP: each rank holds and scores its own positions' keys
+            return key_cache.select_top(self, q, w, step)
+        keys = key_cache[step.ctx_slots]  # [B, L, D]
+        return self.top(q, w, keys, step.allowed, self.topk)[1]
+
+    def top(self, q, w, keys, allowed, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Q, H, D], w [B, Q, H] (float32), keys [B, L, D], allowed [B, Q, L] -> the k best scores per query
+        row and their columns of `keys`, [B, Q, k] each."""
+        keys = keys.float().transpose(1, 2).unsqueeze(1)  # [B, 1, D, L]
+        B, Q, L = q.shape[0], q.shape[1], keys.shape[-1]
         rows = max(1, INDEX_SCORE_ELEMS // (B * self.n_heads * L))
-        picked = []
+        vals, cols = [], []
         for s in range(0, Q, rows):
             scores = F.relu(torch.matmul(q[:, s : s + rows], keys) * self.scale)  # [B, rows, H, L]
             scores = torch.matmul(w[:, s : s + rows].unsqueeze(-2), scores).squeeze(-2)  # head-weighted sum
-            scores = scores.masked_fill(~step.allowed[:, s : s + rows], float("-inf"))
-            picked.append(scores.topk(self.topk, dim=-1).indices)
-        return torch.cat(picked, dim=1)  # [B, Qmax, topk]
+            scores = scores.masked_fill(~allowed[:, s : s + rows], float("-inf"))
+            v, c = scores.topk(k, dim=-1)
+            vals.append(v)
+            cols.append(c)
+        return torch.cat(vals, dim=1), torch.cat(cols, dim=1)
 
 
 class MLAttention(nn.Module):
