@@ -1,5 +1,9 @@
 """The engine over UlaCache (`kv_tier`): requests are admitted by the KV system's own accounting and decoded
-with Quest-sparse attention whose KV lives behind logical addresses (lanner.kvcache.ula).
+with sparse attention whose KV lives behind logical addresses (lanner.kvcache.ula): dense Llama-family models
+with Quest page selection (UlaDecoder: an entry is one token's K and V of `sparse_group` layers), DeepSeek-V3.2 /
+GLM-5 models with their own DSA indexer (MlaDecoder: an entry is one token's latent for the layers sharing one
+indexer's selection; each query reads index_topk tokens; the indexer keys stay resident beside the KV budgets,
+as Quest's page bounds do).
 
 Admission: a waiting request (oldest first) is admitted when the running limit allows, a decode step with it
 still fits the device pool's worst case (every request reading `sparse_budget` tokens), and the KV system can
@@ -19,7 +23,14 @@ from lanner.engine.llm_engine import LLMEngine, RequestError
 from lanner.engine.request import Request, RequestOutput, Status
 from lanner.engine.sampling import sample
 from lanner.engine.scheduler import RequestQueue
-from lanner.kvcache.ula import UlaDecoder, entry_shape, make_backend
+from lanner.kvcache.ula import (
+    MlaDecoder,
+    UlaDecoder,
+    entry_shape,
+    make_backend,
+    mla_entry_shape,
+    selection_groups,
+)
 
 log = logging.getLogger("lanner.engine")
 
@@ -27,7 +38,7 @@ log = logging.getLogger("lanner.engine")
 class UlaScheduler(RequestQueue):
     """FIFO admission against a KV system (the checks are UlaEngine.step's)."""
 
-    def __init__(self, decoder: UlaDecoder, max_num_seqs: int, max_queue_len: int):
+    def __init__(self, decoder: UlaDecoder | MlaDecoder, max_num_seqs: int, max_queue_len: int):
         super().__init__(max_num_seqs, max_queue_len)  # never preempts: a request holds its whole range
         self.decoder = decoder
         self.max_batch = decoder.cache.max_batch(decoder.budget, decoder.page)
@@ -42,27 +53,34 @@ class UlaScheduler(RequestQueue):
 
 class UlaEngine(LLMEngine):
     def _build_cache(self, config: EngineConfig):
-        cfg = self.model_config
-        if cfg.family != "llama" or cfg.num_layers % config.sparse_group:
-            raise ValueError(f"kv_tier: UlaCache's Quest decoder takes dense Llama-family models whose layer count "
-                             f"({cfg.num_layers}) sparse_group ({config.sparse_group}) divides")
-        shape, dtype = entry_shape(self.model, config.sparse_group), config.torch_dtype
-        self.groups = cfg.num_layers // config.sparse_group
+        cfg, dtype = self.model_config, config.torch_dtype
+        if cfg.family == "deepseek":  # DSA: the model's indexer selects, its layers sharing a selection form a group
+            shape, self.groups = mla_entry_shape(self.model), len(selection_groups(self.model))
+            budget, how = self.model.hf["index_topk"], "DSA index_topk"
+        elif cfg.family == "llama" and cfg.num_layers % config.sparse_group == 0:
+            shape, self.groups = entry_shape(self.model, config.sparse_group), cfg.num_layers // config.sparse_group
+            budget, how = config.sparse_budget, "Quest budget"
+        else:
+            raise ValueError(f"kv_tier: UlaCache decodes dense Llama-family models whose layer count "
+                             f"({cfg.num_layers}) sparse_group ({config.sparse_group}) divides, and DeepSeek-V3.2 / "
+                             f"GLM-5 (DSA) models; not {cfg.architecture}")
         # HiSparse's device buffer per request: twice what one query reads, in every group (as in bench kv)
         cache = make_backend(config.kv_tier, shape, dtype, config.kv_device_gb, config.kv_host_gb,
-                             hisparse_buffer=2 * config.sparse_budget * self.groups, device=config.device,
-                             poison=config.kv_poison)
-        self.decoder = UlaDecoder(self.model, cache, config.sparse_page, config.sparse_budget, config.sparse_group,
-                                  self.max_model_len)
+                             hisparse_buffer=2 * budget * self.groups, device=config.device, poison=config.kv_poison)
+        if cfg.family == "deepseek":
+            self.decoder = MlaDecoder(self.model, cache, self.max_model_len)
+        else:
+            self.decoder = UlaDecoder(self.model, cache, config.sparse_page, config.sparse_budget,
+                                      config.sparse_group, self.max_model_len)
         self.scheduler = UlaScheduler(self.decoder, config.max_num_seqs, config.max_queue_len)
         if self.scheduler.max_batch < 1:
             raise ValueError(f"kv_device_gb: {config.kv_device_gb} GiB cannot hold one decode step's selection "
-                             f"({config.sparse_budget} tokens x {self.groups} groups); raise it")
+                             f"({budget} tokens x {self.groups} groups); raise it")
         self.runner, self.proposer, self.plugins = None, None, None
         self.capacity = cache.max_requests(1)  # entries
-        self.kv_summary = (f"{config.kv_tier} over {cache.entry_bytes} B entries (one token, {config.sparse_group} "
-                           f"layers): {self.capacity} entries, decode steps of up to {self.scheduler.max_batch} "
-                           f"requests, Quest budget {config.sparse_budget}")
+        self.kv_summary = (f"{config.kv_tier} over {cache.entry_bytes} B entries (one token, {shape[0]} layers): "
+                           f"{self.capacity} entries, decode steps of up to {self.scheduler.max_batch} requests, "
+                           f"{how} {budget}")
 
     def _entries(self, tokens: int) -> int:
         return self.groups * tokens

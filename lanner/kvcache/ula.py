@@ -581,7 +581,10 @@ class UlaTP(KVBackend):
         plan = self.bufpol.plan(need[~own], unique=True)  # plan.addrs == need[~own]
         miss = plan.load_addrs
         want = miss[~torch.isin(miss, fresh)]  # a remote new token's entry was computed here too
-        union = torch.unique(torch.cat(_all_gather_rows(want, group=self.group)))  # what any rank misses
+        # what any rank misses, in one gather: every rank runs the same step, so `need` bounds every rank's list
+        padded = F.pad(want, (0, need.numel() - want.numel()), value=-1)
+        union = torch.cat(_all_gather_rows(padded, [need.numel()] * P, self.group))
+        union = torch.unique(union[union >= 0])
         homes = [union[union % P == r] for r in range(P)]
         served = homes[rank]
         own_hits = int((self.store.policy.addr_slot[need[own] // P] >= 0).sum())
@@ -1036,6 +1039,7 @@ class MlaDecoder:
         self.dtype = model.embed_tokens.weight.dtype
         self.topk = model.hf["index_topk"]
         self.budget = self.topk + 1  # entries one request's step needs per group: its selection and its new token
+        self.page = 1  # a DSA selection is any set of tokens
         self.shard = (cache.P, cache.rank) if isinstance(cache, UlaTP) else None
         self.index_keys = torch.empty(0, model.hf["index_head_dim"], dtype=self.dtype)
         self.index_bytes = model.hf["index_head_dim"] * self.index_keys.element_size()  # per entry
@@ -1121,7 +1125,7 @@ class MlaDecoder:
     @torch.inference_mode()
     def step(self, rids: list, tokens: list[int]) -> torch.Tensor:
         """One decode token per request -> float32 logits [B, V]."""
-        reqs = _step_requests(self.reqs, rids, self.cache, self.budget, 1)  # a DSA selection: any tokens, page 1
+        reqs = _step_requests(self.reqs, rids, self.cache, self.budget, self.page)
         t = lambda xs: torch.tensor(xs, dtype=torch.long)
         pos, base = t([r.len for r in reqs]), t([r.base for r in reqs])
         fresh = base + pos
