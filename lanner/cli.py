@@ -93,11 +93,13 @@ def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
                    help="draft tokens verified per step (1..8; default: 3 with a draft, 5 with n-grams)")
     g.add_argument("--spec-max-batch", type=int, default=_ENGINE_DEFAULTS["spec_max_batch"],
                    help="speculate only while at most this many requests run")
-    g = p.add_argument_group("UlaCache: Quest-sparse decoding over a tiered KV store (CPU)")
+    g = p.add_argument_group("UlaCache: sparse decoding over a tiered KV store (CPU)")
     g.add_argument("--kv-tier", choices=KV_TIERS, default=None,
                    help="replace the paged cache: 'ula-dp' (device pool + host tier behind logical addresses), "
-                        "'hisparse' (history on the host + a device buffer per request), 'gpu-only'")
-    for name, help_text in [("kv_device_gb", "device KV pool, GiB"), ("kv_host_gb", "host KV tier, GiB"),
+                        "'ula-tp' (--tp > 1, DSA models: one address space over the ranks' pools), 'hisparse' "
+                        "(history on the host + a device buffer per request), 'gpu-only'")
+    for name, help_text in [("kv_device_gb", "device KV pool per rank, GiB"),
+                            ("kv_host_gb", "host KV tier per rank, GiB"),
                             ("sparse_budget", "tokens each decode query reads per layer group"),
                             ("sparse_group", "layers sharing one selection"), ("sparse_page", "tokens per page")]:
         g.add_argument("--" + name.replace("_", "-"), type=type(_ENGINE_DEFAULTS[name]),

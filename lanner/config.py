@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_TIERS = ("ula-dp", "hisparse", "gpu-only")
+KV_TIERS = ("ula-dp", "ula-tp", "hisparse", "gpu-only")
 
 
 @dataclass
@@ -50,11 +50,13 @@ class EngineConfig:
     # hangs turns into a TPError within it
     tp: int = 1
     tp_timeout_s: float = 60.0
-    # UlaCache (lanner.kvcache.ula): Quest-sparse decoding over a tiered KV store instead of the paged cache.
+    # UlaCache (lanner.kvcache.ula): sparse decoding over a tiered KV store instead of the paged cache.
     # None: the paged cache; "ula-dp": a device pool + a host tier behind logical addresses (PB-LRU), capacity
-    # their sum; "hisparse": the full history on the host + a device buffer per request; "gpu-only": every entry
-    # in the device pool. Prefill is dense; each decode query reads `sparse_budget` tokens (whole pages of
-    # `sparse_page`) per group of `sparse_group` layers sharing one selection
+    # their sum; "ula-tp" (tp > 1, DSA models): the ranks' pools form one address space, entry t on rank t mod tp;
+    # "hisparse": the full history on the host + a device buffer per request; "gpu-only": every entry in the
+    # device pool. Budgets are per rank. Prefill is dense; dense models: each decode query reads `sparse_budget`
+    # tokens (whole pages of `sparse_page`, Quest) per group of `sparse_group` layers sharing one selection;
+    # DeepSeek-V3.2 / GLM-5: the model's own indexer selects
     kv_tier: str | None = None
     kv_device_gb: float = 0.25
     kv_host_gb: float = 1.0
@@ -119,8 +121,10 @@ class EngineConfig:
             raise ValueError(f"kv_tier: must be one of {', '.join(KV_TIERS)} or None, got {self.kv_tier!r}")
         if self.device != "cpu":
             raise ValueError("kv_tier: UlaCache runs on the CPU only so far (its CUDA path is unvalidated)")
-        if self.tp != 1:
-            raise ValueError("kv_tier: the engine runs UlaCache at tp=1 (ula-tp runs in 'lanner bench kv')")
+        if self.kv_tier == "ula-tp" and self.tp < 2:
+            raise ValueError("kv_tier: ula-tp spreads the KV over tensor-parallel ranks; it needs tp >= 2")
+        if self.kv_tier == "ula-dp" and self.tp != 1:
+            raise ValueError("kv_tier: ula-dp is one engine per device (data parallel); use ula-tp with tp > 1")
         if self.plugin not in (None, "", "none"):
             raise ValueError("kv_tier: kernel plugins do not cover sparse decoding; drop --plugin")
         if self.spec not in (None, "none", "auto"):

@@ -69,7 +69,8 @@ def test_ula_refusals():
     assert len(llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4))[0].token_ids) == 4
     for bad, match in [({"kv_tier": "nvme"}, "kv_tier"), ({"kv_tier": "ula-dp", "spec": "ngram"}, "speculative"),
                        ({"kv_tier": "ula-dp", "plugin": "lowlat"}, "plugins"),
-                       ({"kv_tier": "ula-dp", "sparse_budget": 8}, "sparse_budget")]:
+                       ({"kv_tier": "ula-dp", "sparse_budget": 8}, "sparse_budget"),
+                       ({"kv_tier": "ula-tp"}, "tp >= 2"), ({"kv_tier": "ula-dp", "tp": 2}, "use ula-tp")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(**bad)
     with pytest.raises(ValueError, match="kv_device_gb"):
@@ -135,3 +136,30 @@ def test_dsa_model_over_ula_dp_matches_the_paged_engine(glm_folder):
     cache = eng.decoder.cache
     assert cache.store.evicted > 0 and cache.store.loaded > 0  # host round trips
     assert not cache.requests and not eng.decoder.reqs
+
+
+def test_dsa_model_over_ula_tp_with_two_ranks_matches_the_paged_engine(glm_folder):
+    """tp=2 (gloo worker process): every rank decodes over its share of one address space (latent entries and
+    indexer keys on rank address mod 2), rank 0 drives the worker's decoder calls; greedy tokens equal the
+    single-process paged engine's, through evictions, host round trips and remote fetches."""
+    import torch
+
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, 160, (int(n),), generator=g).tolist() for n in (40, 57, 33, 61)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    paged = LLM(model=glm_folder, dtype="float32", skip_tokenizer=True, block_size=8, kv_cache_memory="0.01GiB",
+                spec=None)
+    want = [o.token_ids for o in paged.generate(prompts, params)]
+    entry = 2 * 40 * 4
+    # per rank: a home pool and a buffer of 40 entries each (2 requests' step), 200 host entries
+    with LLM(model=glm_folder, dtype="float32", skip_tokenizer=True, tp=2, kv_tier="ula-tp",
+             kv_device_gb=80 * entry / 2 ** 30, kv_host_gb=200 * entry / 2 ** 30, kv_poison=True) as llm:
+        eng = llm.engine
+        assert eng.scheduler.max_batch == 2
+        got = llm.generate(prompts, params)
+        assert all(o.error is None for o in got)
+        assert [o.token_ids for o in got] == want
+        cache = eng.decoder.cache
+        assert cache.stats["remote"] > 0 and cache.store.evicted > 0 and cache.store.loaded > 0
+        assert not cache.requests
+        eng.decoder.cache.store.check()

@@ -37,6 +37,7 @@ from lanner.distributed import (
 log = logging.getLogger("lanner")
 
 OP_STEP, OP_GATHER_EMBED, OP_SHUTDOWN = 1, 2, 3
+OP_ULA_ADD, OP_ULA_STEP, OP_ULA_CLOSE = 4, 5, 6  # UlaEngine (kv_tier): the decoder's add / step / close
 LOGITS = ("last", "all", "none")
 HEAD = 3  # op, argument, payload length
 INLINE = 256  # payload ints that ride in the fixed-size first message; a longer payload follows in a second one
@@ -142,16 +143,21 @@ class TPGroup:
 
     def run(self, runner, chunks, kind):
         """One step on every rank; returns rank 0's logits. Any failure is fatal: the ranks are out of step."""
+        code, payload = encode_step(chunks, kind)
+        return self.call(OP_STEP, code, payload, lambda: runner.run(chunks, kind))
+
+    def call(self, op: int, arg: int, payload: list[int], local):
+        """Sends an op to every worker, then runs rank 0's part `local()` and returns its result. Any failure is
+        fatal: the ranks are out of step."""
         if self.failed is not None:
             raise TPError(str(self.failed))
         try:
             self._check_workers()
             t0 = time.perf_counter()
-            code, payload = encode_step(chunks, kind)
-            self._send(OP_STEP, code, payload)
+            self._send(op, arg, payload)
             self.send_s += time.perf_counter() - t0
             self.steps += 1
-            return runner.run(chunks, kind)
+            return local()
         except BaseException as e:
             err = self.fail(e)
             if isinstance(e, KeyboardInterrupt):  # still an interrupt to the caller (the group is gone now)
@@ -245,6 +251,26 @@ class TPGroup:
         destroy_tp()
 
 
+def _serve_ula(config, model, model_config):
+    """A worker of UlaEngine: the same decoder calls as rank 0, so the model's and the cache's collectives line up."""
+    from lanner.engine.ula_engine import build_decoder
+
+    decoder = build_decoder(config, model, model_config)[0]
+    while True:
+        op, arg, payload = _recv()
+        if op == OP_ULA_ADD:  # arg: request handle; payload: max_len, then the prompt
+            decoder.add(arg, decoder.run_prefill(payload[1:]), payload[0])
+        elif op == OP_ULA_STEP:  # payload: handles, then one token each
+            n = len(payload) // 2
+            decoder.step(payload[:n], payload[n:])
+        elif op == OP_ULA_CLOSE:
+            decoder.close(arg)
+        elif op == OP_SHUTDOWN:
+            return
+        else:
+            raise TPError(f"tensor-parallel rank {tp_rank()}/{tp_size()}: unknown UlaCache message {op}")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -296,6 +322,8 @@ def run_worker(config, rank: int | None = None, size: int | None = None, init_me
         torch.manual_seed(config.seed)
         hardware = Hardware.detect(device, config.torch_dtype, size, rank)
         model, model_config, plugin_runtime, plugin_bytes = load_target(config, hardware)
+        if config.kv_tier is not None:
+            return _serve_ula(config, model, model_config)
         num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype), plugin_bytes)
         if num_blocks < 2:  # rank 0 raises the error that names the budget
             return
