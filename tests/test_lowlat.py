@@ -152,8 +152,8 @@ def test_kernels_match_torch(llm32_lowlat):
 
 
 def tiny_model(**extra):
-    cfg = dict(architecture="LlamaForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
-               num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    cfg = {"architecture": "LlamaForCausalLM", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96,
+           "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "max_position_embeddings": 256}
     c = ModelConfig(**{**cfg, **extra})
     torch.manual_seed(1)
     model = LlamaModel(c)

@@ -1,5 +1,5 @@
 """MoE models (Qwen3-MoE, Mixtral) against transformers on tiny random checkpoints, FusedMoE against a per-expert
-loop, tensor parallelism (2 processes) against TP=1, and the lowlat plugin refusing MoE models."""
+loop, tensor parallelism (2 processes) against TP=1, and the lowlat plugin taking MoE models."""
 import socket
 
 import pytest
@@ -18,22 +18,22 @@ from lanner.models.loader import (
     model_class,
 )
 from lanner.models.moe import FusedMoE
-from lanner.plugins import Hardware, PluginMismatch, load_plugin, select_plugins
+from lanner.plugins import Hardware, PluginMismatch, load_plugin
 
 TOL = 1e-4
-BASE = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            max_position_embeddings=256, num_experts_per_tok=2, initializer_range=0.05)
+BASE = {"vocab_size": 128, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 256, "num_experts_per_tok": 2, "initializer_range": 0.05}
 CONFIGS = {
     # layer 1 dense (mlp_only_layers), top-k renormalized; 37: uneven intermediate split under TP=2
-    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM", dict(
-        num_hidden_layers=3, num_experts=8, intermediate_size=96, moe_intermediate_size=37, norm_topk_prob=True,
-        mlp_only_layers=[1], decoder_sparse_step=1)),
+    "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM", {
+        "num_hidden_layers": 3, "num_experts": 8, "intermediate_size": 96, "moe_intermediate_size": 37,
+        "norm_topk_prob": True, "mlp_only_layers": [1], "decoder_sparse_step": 1}),
     # only every 2nd layer sparse (layer 1), top-k weights used as they come from the softmax
-    "qwen3_moe_step2": ("qwen3_moe", "Qwen3MoeForCausalLM", dict(
-        num_hidden_layers=2, num_experts=8, intermediate_size=96, moe_intermediate_size=24, norm_topk_prob=False,
-        decoder_sparse_step=2)),
-    "mixtral": ("mixtral", "MixtralForCausalLM", dict(num_hidden_layers=2, num_local_experts=8,
-                                                       intermediate_size=37)),
+    "qwen3_moe_step2": ("qwen3_moe", "Qwen3MoeForCausalLM", {
+        "num_hidden_layers": 2, "num_experts": 8, "intermediate_size": 96, "moe_intermediate_size": 24,
+        "norm_topk_prob": False, "decoder_sparse_step": 2}),
+    "mixtral": ("mixtral", "MixtralForCausalLM", {"num_hidden_layers": 2, "num_local_experts": 8,
+                                                  "intermediate_size": 37}),
 }
 
 
@@ -253,11 +253,13 @@ def test_tensor_parallel_2_matches_tp_1(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_lowlat_refuses_moe_models(tmp_path, name):
+def test_lowlat_takes_moe_models(tmp_path, name):
+    """lowlat runs MoE feed-forwards (tests/test_lowlat_moe.py); a malformed MoE config is refused by name."""
     make_hf(name).config.save_pretrained(tmp_path)
     cfg = load_config(ModelSource.resolve(str(tmp_path)))[0]
-    with pytest.raises(PluginMismatch, match="does not support the model structure"):
-        select_plugins("lowlat", cfg, Hardware.detect("cpu", torch.float32), None)
-    # the same geometry as a dense model is one lowlat takes: the refusal is about the MoE architecture
-    dense = type(cfg)(**{**cfg.__dict__, "architecture": "Qwen3ForCausalLM"})
-    assert load_plugin("lowlat").supports(dense)
+    plugin = load_plugin("lowlat")
+    assert plugin.supports(cfg)
+    bad = type(cfg)(**{**cfg.__dict__, "hf": {**cfg.hf, "num_experts_per_tok": 9}})  # 8 experts
+    assert not plugin.supports(bad)
+    with pytest.raises(PluginMismatch, match="top_k 9 of 8 experts"):
+        plugin.check(bad, Hardware("cpu", torch.float32, "test cpu", None, frozenset({"avx512f"})))

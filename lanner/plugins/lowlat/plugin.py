@@ -1,11 +1,13 @@
 """LowLatPlugin: the whole Llama-family forward in one C++ call for small CPU batches (decode, verify of k
-drafts, small prefill chunks) of the target or a draft model, lowlat's GEMV for the LM head (core's
+drafts, small prefill chunks) of the target or a draft model, dense or MoE (Qwen3-MoE, Mixtral: router, top-k,
+and each hit expert's GEMVs over only the rows that picked it), lowlat's GEMV for the LM head (core's
 compute_logits hook) and for an EAGLE-style draft head's linears. See csrc/lowlat.cpp for the kernels."""
 from __future__ import annotations
 
 import logging
 import threading
 import weakref
+from typing import ClassVar
 
 import torch
 
@@ -28,18 +30,19 @@ class LowLatPlugin(Plugin):
     isa: "auto" (AVX512_BF16 dot products when the CPU has them) or "avx512f" (bf16 -> fp32 shifts + FMA)."""
 
     name = "lowlat"
-    # dense Llama-family models only: the kernel has no MoE feed-forward and no MLA
-    architectures = tuple(sorted(a for a, f in SUPPORTED_ARCHITECTURES.items()
-                                 if f == "llama" and a not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")))
-    OPTIONS = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int, "isa": str}
+    # Llama-family models, dense or with MoE feed-forwards (Qwen3-MoE, Mixtral); not MLA (the DeepSeek family)
+    architectures = tuple(sorted(a for a, f in SUPPORTED_ARCHITECTURES.items() if f == "llama"))
+    MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+    OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
+                               "isa": str}
 
     def __init__(self, **options):
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             raise ValueError(f"plugin lowlat: unknown option(s) {unknown}; it takes {sorted(self.OPTIONS)}")
         for k, v in options.items():
-            if not isinstance(v, self.OPTIONS[k]) or isinstance(v, bool):
-                raise ValueError(f"plugin lowlat: option {k}={v!r} has the wrong type")
+            if not isinstance(v, self.OPTIONS[k]) or isinstance(v, bool):  # a usage error, like the others:
+                raise ValueError(f"plugin lowlat: option {k}={v!r} has the wrong type")  # noqa: TRY004
         self.threads = options.get("threads")
         self.max_rows = options.get("max_rows", 72)
         self.prefill_rows = options.get("prefill_rows", 72)
@@ -65,9 +68,21 @@ class LowLatPlugin(Plugin):
 
     # ------------------------------------------------------------------ contract
     def supports(self, model_config) -> bool:
-        c = model_config
-        return (c.architecture in self.architectures and c.head_dim % 16 == 0 and c.head_dim <= 512
-                and c.num_heads % c.num_kv_heads == 0)
+        return model_config.architecture in self.architectures and self._problem(model_config) is None
+
+    @classmethod
+    def _problem(cls, c) -> str | None:
+        """Why lowlat cannot run this (supported-architecture) model's structure, or None."""
+        if not (c.head_dim % 16 == 0 and c.head_dim <= 512 and c.num_heads % c.num_kv_heads == 0):
+            return (f"head_dim {c.head_dim} / heads {c.num_heads} / kv heads {c.num_kv_heads} not supported "
+                    "(head_dim a multiple of 16, <= 512)")
+        if c.architecture in cls.MOE_ARCHITECTURES:
+            hf = c.hf or {}
+            experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+            top_k = hf.get("num_experts_per_tok") or 0
+            if experts and not 1 <= top_k <= experts:
+                return f"MoE top_k {top_k} of {experts} experts not supported (needs 1 <= top_k <= experts)"
+        return None
 
     def check(self, model_config, hardware: Hardware) -> None:
         if hardware.kind == "cuda":
@@ -79,9 +94,12 @@ class LowLatPlugin(Plugin):
                                  "lowlat's kernels need AVX-512")
         if hardware.tp_size != 1:
             raise PluginMismatch(f"lowlat: tensor parallelism is not supported (tp_size={hardware.tp_size}, needs 1)")
-        if not self.supports(model_config):
-            raise PluginMismatch(f"lowlat: head_dim {model_config.head_dim} / heads {model_config.num_heads} / kv "
-                                 f"heads {model_config.num_kv_heads} not supported (head_dim a multiple of 16, <= 512)")
+        if model_config.architecture not in self.architectures:
+            raise PluginMismatch(f"lowlat: architecture {model_config.architecture} not supported; it runs "
+                                 f"{list(self.architectures)}")
+        problem = self._problem(model_config)
+        if problem:
+            raise PluginMismatch(f"lowlat: {problem}")
         self._load_extension()
 
     def _load_extension(self):
@@ -188,15 +206,45 @@ class LowLatPlugin(Plugin):
         return entry[1]
 
     # ------------------------------------------------------------------ kernels
+    @staticmethod
+    def _feed_forwards(model):
+        """Per layer the feed-forward kind: "dense" (MLP: gate_up_proj, down_proj) or "moe" (MoE: a router `gate`
+        and FusedMoE `experts` with stacked w13 / w2), plus the MoE settings shared by the MoE layers (experts,
+        expert intermediate size, top_k, renormalize); PluginMismatch names a layer of any other structure."""
+        kinds, moe = [], None
+        for i, lyr in enumerate(model.layers):
+            mlp = lyr.mlp
+            if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
+                kinds.append("dense")
+                continue
+            experts = getattr(mlp, "experts", None)
+            if experts is None or not hasattr(mlp, "gate") or not hasattr(experts, "w13") or \
+                    getattr(mlp.gate, "bias", None) is not None:
+                raise PluginMismatch(f"lowlat: layer {i}'s feed-forward ({type(mlp).__name__}) is neither a dense "
+                                     "SwiGLU MLP nor a routed MoE (bias-free router, FusedMoE experts)")
+            settings = (experts.num_experts, experts.inter, int(mlp.top_k), bool(mlp.renormalize))
+            if moe is not None and settings != moe:
+                raise PluginMismatch(f"lowlat: MoE layers differ in experts / size / top_k ({moe} vs {settings})")
+            moe = settings
+            kinds.append("moe")
+        return kinds, moe
+
     def _make_kernel(self, model):
         c, dtype = model.cfg, self.hardware.dtype
         layers = model.layers
         att = [lyr.self_attn for lyr in layers]
-        with torch.no_grad():
+        kinds, moe = self._feed_forwards(model)
+        _, moe_inter, top_k, renorm = moe or (0, 0, 0, False)
+        none = torch.empty(0, dtype=dtype)  # the other kind's weight on a layer (no storage)
+
+        def per_layer(kind, get):
+            return [get(lyr.mlp).data if k == kind else none for lyr, k in zip(layers, kinds)]
+
+        with torch.no_grad():  # the model's own tensors, no copies: the kernel keeps references
             return self._load_extension().Model(
-                c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
-                float(c.rms_norm_eps), float(att[0].scale), dtype == torch.bfloat16, self.uses_dot,
-                self.threads_used, self.rows,
+                c.hidden_size, c.intermediate_size if "dense" in kinds else 0, c.num_layers, c.num_heads,
+                c.num_kv_heads, c.head_dim, float(c.rms_norm_eps), float(att[0].scale), dtype == torch.bfloat16,
+                self.uses_dot, self.threads_used, self.rows,
                 model.embed_tokens.weight.data,
                 [lyr.input_layernorm.weight.data for lyr in layers],
                 [a.qkv_proj.weight.data for a in att],
@@ -205,9 +253,13 @@ class LowLatPlugin(Plugin):
                 [a.k_norm.weight.data for a in att] if att[0].k_norm is not None else [],
                 [a.o_proj.weight.data for a in att],
                 [lyr.post_attention_layernorm.weight.data for lyr in layers],
-                [lyr.mlp.gate_up_proj.weight.data for lyr in layers],
-                [lyr.mlp.down_proj.weight.data for lyr in layers],
-                model.norm.weight.data, model.rotary.cos.float().contiguous(), model.rotary.sin.float().contiguous())
+                per_layer("dense", lambda m: m.gate_up_proj.weight),
+                per_layer("dense", lambda m: m.down_proj.weight),
+                model.norm.weight.data, model.rotary.cos.float().contiguous(), model.rotary.sin.float().contiguous(),
+                moe_inter, top_k, renorm, [int(k == "moe") for k in kinds],
+                per_layer("moe", lambda m: m.gate.weight),
+                per_layer("moe", lambda m: m.experts.w13),
+                per_layer("moe", lambda m: m.experts.w2))
 
     def _kernel_for(self, model):
         """The target's kernel, or one built on first use for a draft model (the engine builds plugins for the
@@ -218,7 +270,10 @@ class LowLatPlugin(Plugin):
         if entry is None or entry[0]() is not model:
             kernel = None
             if self.supports(model.cfg) and next(model.parameters()).dtype == self.hardware.dtype:
-                kernel = self._make_kernel(model)
+                try:
+                    kernel = self._make_kernel(model)
+                except PluginMismatch as e:
+                    log.info("lowlat: the draft model runs on the engine's own forward: %s", e)
             else:
                 log.info("lowlat: the draft model (%s) runs on the engine's own forward", model.cfg.architecture)
             entry = self._others[id(model)] = (weakref.ref(model), kernel)

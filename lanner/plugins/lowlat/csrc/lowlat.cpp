@@ -1,7 +1,8 @@
 // lowlat: Lanner's reference CPU kernel plugin. One call runs the whole Llama-family forward (embedding, all
-// decoder layers over the paged KV cache, final norm, captured layer outputs) for small batches: decode, verify
-// of k drafts, small prefill chunks. At these sizes a step streams every weight once and does little arithmetic
-// per byte, so the design goal is to read the weights at memory bandwidth with few synchronisations:
+// decoder layers over the paged KV cache, dense or MoE feed-forwards, final norm, captured layer outputs) for
+// small batches: decode, verify of k drafts, small prefill chunks. At these sizes a step streams every weight
+// once and does little arithmetic per byte, so the design goal is to read the weights at memory bandwidth with
+// few synchronisations:
 //
 //  * one OpenMP parallel region for the whole forward; threads split each GEMV over output rows and fuse the
 //    epilogue that needs only their rows (bias, q/k norm, RoPE, the KV-cache write, residual adds, SiLU*up),
@@ -12,9 +13,17 @@
 //    the bottleneck); float32 accumulation; bf16 weights use `vdpbf16ps` when the CPU has AVX512_BF16
 //    (activations packed to bf16 once per GEMV input), else a bf16 -> fp32 shift + FMA; float32 models an FMA
 //    GEMV;
+//  * MoE feed-forwards (Qwen3-MoE, Mixtral; dense and MoE layers may mix): router GEMV, then per row a float32
+//    softmax and top-k that picks the experts torch.topk picks (ties included); the dispatch is a bitmap of the
+//    experts hit plus per-expert row counts, each expert's rows placed by the counts (no sort over the tokens),
+//    and each hit expert's gate/up and down GEMVs run once over exactly the rows that picked it, so rows that
+//    share an expert stream its weights once (a decode step of B rows reads at most B * top_k experts); an MoE
+//    layer costs one barrier more than a dense one (the router's), however many experts are hit;
 //  * bf16 models round to bf16 exactly where the PyTorch module rounds (GEMV outputs, norms, RoPE terms, SiLU,
-//    residual adds) and attention follows PyTorch's CPU flash attention, so the plugin tracks the engine's own
-//    forward bit for bit in nearly all elements; float32 models are float32 throughout.
+//    residual adds; for MoE also the router logits, the routing weight, weight * expert output and each
+//    expert's add into the sum, FusedMoE's order) and attention follows PyTorch's CPU flash attention, so the
+//    plugin tracks the engine's own forward bit for bit in nearly all elements; float32 models are float32
+//    throughout.
 // Only the headers it needs (Tensor with its methods, two factory ops, the pybind11 casters): torch/extension.h
 // would pull in every operator and double the one-time compile.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
@@ -363,23 +372,38 @@ struct Model {
   // debugging: snapshots of one layer's intermediates (attention out, x after attention, SiLU*up, x after MLP)
   int64_t dbg_layer = -1;
   std::vector<torch::Tensor> dbg;
+  // MoE feed-forward (layers with is_moe[l]): E experts of intermediate size minter, top_k per row, the top-k
+  // weights renormalized when renorm (Mixtral, Qwen3-MoE with norm_topk_prob)
+  int64_t minter = 0, E = 0, top_k = 0;
+  bool renorm = false;
+  std::vector<char> is_moe;
+  // test hook: with record_moe, each forward logs one (layer, expert, rows) entry per expert GEMV pass
+  bool record_moe = false;
+  std::vector<std::vector<int64_t>> moe_log;
   // weights: the model's own tensors (no copies)
   torch::Tensor embed, final_norm, cos, sin;
   std::vector<torch::Tensor> in_norm, qkv_w, qkv_b, q_norm, k_norm, o_w, post_norm, gu_w, down_w;
+  // MoE layers (an empty tensor on dense ones): [E, hidden], [E, 2 * minter, hidden] (gate rows, then up rows),
+  // [E, hidden, minter]
+  std::vector<torch::Tensor> router_w, w13, w2;
   torch::Tensor scratch;  // activations for max_rows rows, exposed so the plugin can account for it
   // scratch carve-up (bytes)
   int64_t off_x, off_xin, xin_stride, off_qkv, off_q, off_ain, off_tmp, off_gu, off_act;
+  int64_t off_logit = 0, off_macc = 0, off_mact = 0, off_xg = 0, xg_stride = 0;  // MoE
 
   Model(int64_t hidden_, int64_t inter_, int64_t L_, int64_t H_, int64_t Hkv_, int64_t D_, double eps_, double scale_,
         bool bf16_, bool dot_, int64_t nthreads_, int64_t max_rows_, torch::Tensor embed_,
         std::vector<torch::Tensor> in_norm_, std::vector<torch::Tensor> qkv_w_, std::vector<torch::Tensor> qkv_b_,
         std::vector<torch::Tensor> q_norm_, std::vector<torch::Tensor> k_norm_, std::vector<torch::Tensor> o_w_,
         std::vector<torch::Tensor> post_norm_, std::vector<torch::Tensor> gu_w_, std::vector<torch::Tensor> down_w_,
-        torch::Tensor final_norm_, torch::Tensor cos_, torch::Tensor sin_)
+        torch::Tensor final_norm_, torch::Tensor cos_, torch::Tensor sin_, int64_t moe_inter_, int64_t top_k_,
+        bool renorm_, std::vector<int64_t> moe_, std::vector<torch::Tensor> router_w_,
+        std::vector<torch::Tensor> w13_, std::vector<torch::Tensor> w2_)
       : hidden(hidden_), inter(inter_), L(L_), H(H_), Hkv(Hkv_), D(D_), max_rows(max_rows_), eps(eps_),
-        scale(scale_), bf16(bf16_), dot(dot_ && bf16_ && kHaveDot), nthreads(int(nthreads_)), embed(embed_),
-        final_norm(final_norm_), cos(cos_), sin(sin_), in_norm(in_norm_), qkv_w(qkv_w_), qkv_b(qkv_b_),
-        q_norm(q_norm_), k_norm(k_norm_), o_w(o_w_), post_norm(post_norm_), gu_w(gu_w_), down_w(down_w_) {
+        scale(scale_), bf16(bf16_), dot(dot_ && bf16_ && kHaveDot), nthreads(int(nthreads_)), minter(moe_inter_),
+        top_k(top_k_), renorm(renorm_), embed(embed_), final_norm(final_norm_), cos(cos_), sin(sin_),
+        in_norm(in_norm_), qkv_w(qkv_w_), qkv_b(qkv_b_), q_norm(q_norm_), k_norm(k_norm_), o_w(o_w_),
+        post_norm(post_norm_), gu_w(gu_w_), down_w(down_w_), router_w(router_w_), w13(w13_), w2(w2_) {
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
     TORCH_CHECK(D % 16 == 0 && D % 2 == 0, "lowlat: head_dim must be a multiple of 16, got ", D);
     TORCH_CHECK(H % Hkv == 0, "lowlat: num_heads must be a multiple of num_kv_heads");
@@ -401,11 +425,25 @@ struct Model {
     has_bias = !qkv_b.empty();
     qk_norm = !q_norm.empty();
     const int64_t nqkv = (H + 2 * Hkv) * D;
+    is_moe.assign(L, 0);
+    TORCH_CHECK(moe_.empty() || (int64_t)moe_.size() == L,
+                "lowlat: the MoE layer flags must be empty or one per layer");
+    for (int64_t l = 0; l < (int64_t)moe_.size(); l++) is_moe[l] = moe_[l] != 0;
+    const bool any_moe = std::find(is_moe.begin(), is_moe.end(), 1) != is_moe.end();
     TORCH_CHECK((int64_t)in_norm.size() == L && (int64_t)qkv_w.size() == L && (int64_t)o_w.size() == L &&
                     (int64_t)post_norm.size() == L && (int64_t)gu_w.size() == L && (int64_t)down_w.size() == L &&
                     (!has_bias || (int64_t)qkv_b.size() == L) &&
-                    (!qk_norm || ((int64_t)q_norm.size() == L && (int64_t)k_norm.size() == L)),
-                "lowlat: one weight of each kind per layer expected");
+                    (!qk_norm || ((int64_t)q_norm.size() == L && (int64_t)k_norm.size() == L)) &&
+                    (!any_moe || ((int64_t)router_w.size() == L && (int64_t)w13.size() == L &&
+                                  (int64_t)w2.size() == L)),
+                "lowlat: one weight of each kind per layer expected (MoE weights: an empty tensor on dense layers)");
+    if (any_moe) {
+      for (int64_t l = 0; l < L; l++)
+        if (is_moe[l]) { E = router_w[l].size(0); break; }
+      TORCH_CHECK(E >= 1 && minter >= 1 && top_k >= 1 && top_k <= E,
+                  "lowlat: MoE needs experts >= 1, intermediate size >= 1 and 1 <= top_k <= experts; got ", E, ", ",
+                  minter, ", ", top_k);
+    }
     for (int64_t l = 0; l < L; l++) {
       chk(in_norm[l], {hidden}, "input_layernorm.weight");
       chk(qkv_w[l], {nqkv, hidden}, "qkv_proj.weight");
@@ -413,11 +451,18 @@ struct Model {
       if (qk_norm) { chk(q_norm[l], {D}, "q_norm.weight"); chk(k_norm[l], {D}, "k_norm.weight"); }
       chk(o_w[l], {hidden, H * D}, "o_proj.weight");
       chk(post_norm[l], {hidden}, "post_attention_layernorm.weight");
-      chk(gu_w[l], {2 * inter, hidden}, "gate_up_proj.weight");
-      chk(down_w[l], {hidden, inter}, "down_proj.weight");
+      if (is_moe[l]) {
+        chk(router_w[l], {E, hidden}, "mlp.gate.weight (MoE router)");
+        chk(w13[l], {E, 2 * minter, hidden}, "mlp.experts.w13");
+        chk(w2[l], {E, hidden, minter}, "mlp.experts.w2");
+      } else {
+        chk(gu_w[l], {2 * inter, hidden}, "gate_up_proj.weight");
+        chk(down_w[l], {hidden, inter}, "down_proj.weight");
+      }
     }
     // scratch: x [T, hidden] f32 | xin[nthreads] [T, hidden] X | qkv [T, nqkv] f32 | q [T, H*D] f32 |
-    //          ain [T, H*D] X | tmp [T, hidden] f32 | gu [T, 2*inter] f32 | act [T, inter] X
+    //          ain [T, H*D] X | tmp [T, hidden] f32 | gu [T, 2*max(inter, minter)] f32 | act [T, inter] X
+    // MoE:     logit [T, E] f32 | macc [T, hidden] f32 | mact [T*top_k, minter] X | xg[nthreads] [T, hidden] X
     const int64_t T = max_rows, xs = dot ? 2 : 4;
     auto al = [](int64_t b) { return (b + 63) / 64 * 64; };
     int64_t o = 0;
@@ -427,8 +472,14 @@ struct Model {
     off_q = o; o += al(T * H * D * 4);
     off_ain = o; o += al(T * H * D * xs);
     off_tmp = o; o += al(T * hidden * 4);
-    off_gu = o; o += al(T * 2 * inter * 4);
+    off_gu = o; o += al(T * 2 * std::max(inter, any_moe ? minter : 0) * 4);
     off_act = o; o += al(T * inter * xs);
+    if (any_moe) {
+      off_logit = o; o += al(T * E * 4);
+      off_macc = o; o += al(T * hidden * 4);
+      off_mact = o; o += al(T * top_k * minter * xs);
+      off_xg = o; xg_stride = al(T * hidden * xs); o += nthreads * xg_stride;
+    }
     scratch = torch::zeros({o + 64}, torch::kUInt8);
   }
 
@@ -584,6 +635,188 @@ struct Model {
     }
   }
 
+  // ---------------------------------------------------------------------------------------------- MoE
+  // One thread's routing of a step's rows (every thread computes the same, privately: no barrier): per row the
+  // top-k experts and weights, then the dispatch: a bitmap of the experts hit, each one's row count, and its rows
+  // (ascending) with their weights packed from base[e] on, placed by the counts (no sort over the tokens).
+  struct Route {
+    std::vector<int64_t> ids;  // [T, top_k] as torch.topk returns them
+    std::vector<float> w, p;   // [T, top_k] weights; p: one row's probabilities
+    std::vector<std::pair<float, int64_t>> q;
+    std::vector<uint64_t> hit;                        // bitmap over the experts
+    std::vector<int32_t> cnt, base, fill, experts;    // per expert; experts: those hit, ascending
+    std::vector<int32_t> rows;                        // [T * top_k]: expert e's rows at base[e] .. base[e] + cnt[e]
+    std::vector<float> wts;                           // their routing weights
+  };
+
+  // torch.topk's comparator (CPU): larger first, NaN largest
+  struct TopKCmp {
+    bool operator()(const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) const {
+      return (std::isnan(a.first) && !std::isnan(b.first)) || a.first > b.first;
+    }
+  };
+
+  // MoE.forward's router for one row: logits in the model dtype, float32 softmax over all experts (max, exp,
+  // sum, times 1 / sum like ATen's softmax), top-k picked the way ATen's CPU topk picks them (std::nth_element +
+  // std::sort, or a heap when k * 64 <= E, on (value, index) pairs with its comparator: the same experts on ties
+  // of bf16 logits), then optionally divided by their sum
+  template <typename WT>
+  void topk_row(const float* lr, Route& rt, int64_t* ids, float* w) const {
+    const int64_t k = top_k;
+    rt.p.resize(E);
+    float* p = rt.p.data();
+    float m = -INFINITY;
+    for (int64_t e = 0; e < E; e++) {
+      p[e] = rnd<WT>(lr[e]);
+      m = std::max(m, p[e]);
+    }
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t e = 0; e < E; e++) p[e] = std::exp(p[e] - m);
+    for (int64_t e = 0; e < E; e += 16) {
+      const __mmask16 mk = E - e >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (E - e)) - 1);
+      acc = _mm512_mask_add_ps(acc, mk, acc, _mm512_maskz_loadu_ps(mk, p + e));
+    }
+    const float inv = 1.f / _mm512_reduce_add_ps(acc);
+    for (int64_t e = 0; e < E; e++) p[e] *= inv;
+    auto& q = rt.q;
+    const TopKCmp cmp;
+    if (k * 64 <= E) {
+      q.resize(k);
+      for (int64_t j = 0; j < k; j++) q[j] = {p[j], j};
+      std::make_heap(q.begin(), q.end(), cmp);
+      for (int64_t j = k; j < E; j++) {
+        const std::pair<float, int64_t> v{p[j], j};
+        if (cmp(v, q.front())) {
+          std::pop_heap(q.begin(), q.end(), cmp);
+          q.back() = v;
+          std::push_heap(q.begin(), q.end(), cmp);
+        }
+      }
+      std::sort_heap(q.begin(), q.end(), cmp);
+    } else {
+      q.resize(E);
+      for (int64_t j = 0; j < E; j++) q[j] = {p[j], j};
+      std::nth_element(q.begin(), q.begin() + k - 1, q.end(), cmp);
+      std::sort(q.begin(), q.begin() + k - 1, cmp);
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < k; j++) sum += q[j].first;
+    for (int64_t j = 0; j < k; j++) {
+      ids[j] = q[j].second;
+      w[j] = renorm ? q[j].first / sum : q[j].first;
+    }
+  }
+
+  template <typename WT>
+  void route(const float* logit, int64_t T, Route& rt) const {
+    const int64_t k = top_k;
+    rt.ids.resize(T * k);
+    rt.w.resize(T * k);
+    for (int64_t t = 0; t < T; t++) topk_row<WT>(logit + t * E, rt, rt.ids.data() + t * k, rt.w.data() + t * k);
+    rt.hit.assign((E + 63) / 64, 0);
+    rt.cnt.assign(E, 0);
+    for (int64_t i = 0; i < T * k; i++) {
+      const int64_t e = rt.ids[i];
+      rt.cnt[e]++;
+      rt.hit[e >> 6] |= 1ull << (e & 63);
+    }
+    rt.experts.clear();
+    rt.base.resize(E);
+    rt.fill.assign(E, 0);
+    int32_t o = 0;
+    for (int64_t wi = 0; wi < (int64_t)rt.hit.size(); wi++)
+      for (uint64_t word = rt.hit[wi]; word; word &= word - 1) {
+        const int32_t e = int32_t(wi * 64 + __builtin_ctzll(word));
+        rt.experts.push_back(e);
+        rt.base[e] = o;
+        o += rt.cnt[e];
+      }
+    rt.rows.resize(T * k);
+    rt.wts.resize(T * k);
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t j = 0; j < k; j++) {
+        const int64_t e = rt.ids[t * k + j], at = rt.base[e] + rt.fill[e]++;
+        rt.rows[at] = int32_t(t);
+        rt.wts[at] = rt.w[t * k + j];
+      }
+  }
+
+  // MoE feed-forward of layer l over the T rows of xin (this thread's copy of the normalized input), added to x:
+  // router GEMV (experts split over threads) | routing (each thread) | for each hit expert, the gate and up rows
+  // of this thread's share of the intermediate size over the expert's rows only, SiLU * up | down rows of this
+  // thread's share of hidden, weight * output summed per row in expert order (FusedMoE: experts ascending,
+  // index_add_ into a model-dtype buffer), then the residual add. Two barriers inside (after the router, after
+  // gate/up), however many experts are hit; the caller's barrier ends it.
+  template <typename WT, typename XT>
+  void moe_ffn(int64_t l, int tid, int nt, const XT* xin, int64_t T, Route& rt) {
+    float* x = buf<float>(off_x);
+    float* logit = buf<float>(off_logit);
+    float* gu = buf<float>(off_gu);
+    float* tmp = buf<float>(off_tmp);
+    float* acc = buf<float>(off_macc);
+    XT* mact = buf<XT>(off_mact);
+    XT* xg = buf<XT>(off_xg + tid * xg_stride);
+    int64_t a, b;
+    split(E, 2, tid, nt, a, b);  // even bounds: each row pairs up the same way whatever the thread count
+    gemv<WT, XT>(ptr<WT>(router_w[l]), hidden, a, b, xin, hidden, int(T), logit, E);
+#pragma omp barrier
+    route<WT>(logit, T, rt);
+    const WT* w13p = ptr<WT>(w13[l]);
+    const WT* w2p = ptr<WT>(w2[l]);
+    split(minter, 16, tid, nt, a, b);
+    for (const int32_t e : rt.experts) {
+      const int64_t n = rt.cnt[e], r0 = rt.base[e];
+      const int32_t* rows = rt.rows.data() + r0;
+      const XT* X = xin + rows[0] * hidden;
+      if (rows[n - 1] - rows[0] != n - 1) {  // not one run of consecutive rows: gather them
+        for (int64_t i = 0; i < n; i++) std::memcpy(xg + i * hidden, xin + rows[i] * hidden, hidden * sizeof(XT));
+        X = xg;
+      }
+      if (record_moe && tid == 0) moe_log.push_back({l, e, n});
+      const WT* we = w13p + int64_t(e) * 2 * minter * hidden;
+      gemv<WT, XT>(we, hidden, a, b, X, hidden, int(n), gu, 2 * minter);
+      gemv<WT, XT>(we, hidden, minter + a, minter + b, X, hidden, int(n), gu, 2 * minter);
+      for (int64_t i = 0; i < n; i++)
+        silu_mul<WT, XT>(gu + i * 2 * minter + a, gu + i * 2 * minter + minter + a, mact + (r0 + i) * minter + a,
+                         b - a);
+    }
+#pragma omp barrier
+    if (l == dbg_layer) snap(mact, T * top_k * minter, tid);
+    split(hidden, 16, tid, nt, a, b);
+    for (int64_t t = 0; t < T; t++) std::fill(acc + t * hidden + a, acc + t * hidden + b, 0.f);
+    for (const int32_t e : rt.experts) {
+      const int64_t n = rt.cnt[e], r0 = rt.base[e];
+      gemv<WT, XT>(w2p + int64_t(e) * hidden * minter, minter, a, b, mact + r0 * minter, minter, int(n), tmp,
+                   hidden);
+      for (int64_t i = 0; i < n; i++) {
+        float* ar = acc + rt.rows[r0 + i] * hidden;
+        const float* yr = tmp + i * hidden;
+        const float wt = rnd<WT>(rt.wts[r0 + i]);
+        for (int64_t c = a; c < b; c++) ar[c] = rnd<WT>(ar[c] + rnd<WT>(rnd<WT>(yr[c]) * wt));
+      }
+    }
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t c = a; c < b; c++) x[t * hidden + c] = rnd<WT>(x[t * hidden + c] + acc[t * hidden + c]);
+  }
+
+  // test hook: the router's top-k on given logits [T, E] (rounded to the model dtype first) -> (ids, weights)
+  std::tuple<torch::Tensor, torch::Tensor> test_route(torch::Tensor logits) const {
+    TORCH_CHECK(E > 0 && logits.dim() == 2 && logits.size(1) == E, "lowlat.test_route: an MoE model and [T, ", E,
+                "] logits");
+    auto lf = logits.to(torch::kFloat32).contiguous();
+    const int64_t T = lf.size(0);
+    auto ids = torch::empty({T, top_k}, torch::TensorOptions().dtype(torch::kLong));
+    auto w = torch::empty({T, top_k}, torch::TensorOptions().dtype(torch::kFloat32));
+    Route rt;
+    for (int64_t t = 0; t < T; t++) {
+      if (bf16) topk_row<bf16_t>(lf.data_ptr<float>() + t * E, rt, ids.data_ptr<int64_t>() + t * top_k,
+                                 w.data_ptr<float>() + t * top_k);
+      else topk_row<float>(lf.data_ptr<float>() + t * E, rt, ids.data_ptr<int64_t>() + t * top_k,
+                           w.data_ptr<float>() + t * top_k);
+    }
+    return {ids, w};
+  }
+
   template <typename X>
   void snap(const X* p, int64_t n, int tid) {
     if (tid == 0) {
@@ -618,6 +851,7 @@ struct Model {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       XT* xin = buf<XT>(off_xin + tid * xin_stride);
       thread_local std::vector<float> S, O;
+      thread_local Route rt;
       int64_t a, b;
       // embedding
       split(T, 1, tid, nt, a, b);
@@ -683,6 +917,16 @@ struct Model {
         if (l == dbg_layer) snap(x, T * hidden, tid);
         // --- MLP: norm (private) -> gate/up rows [a, b) of both halves -> SiLU(gate) * up
         rmsnorm<WT, XT>(x, ptr<WT>(post_norm[l]), xin, 0, T);
+        if (is_moe[l]) {
+          moe_ffn<WT, XT>(l, tid, nt, xin, T, rt);
+#pragma omp barrier
+          if (cap_at[l] != nullptr) {
+            split(T, 1, tid, nt, a, b);
+            for (int64_t t = a; t < b; t++)
+              for (int64_t i = 0; i < hidden; i++) stf<WT>(cap_at[l], t * hidden + i, x[t * hidden + i]);
+          }
+          continue;
+        }
         split(inter, 16, tid, nt, a, b);
         const WT* guw = ptr<WT>(gu_w[l]);
         gemv<WT, XT>(guw, hidden, a, b, xin, hidden, M, gu, 2 * inter);
@@ -761,6 +1005,7 @@ struct Model {
       }
     }
     TORCH_CHECK(t == T, "lowlat: sum(q_lens) = ", t, " but ", T, " input ids");
+    moe_log.clear();
     auto opts = torch::TensorOptions().dtype(wdt);
     torch::Tensor out = torch::empty({T, hidden}, opts);
     std::vector<torch::Tensor> captured;
@@ -914,7 +1159,7 @@ struct Head {
        torch::Tensor gu_w_, torch::Tensor down_w_, torch::Tensor final_norm, torch::Tensor lm_w_, torch::Tensor d2t_,
        torch::Tensor cos, torch::Tensor sin)
       : m(hidden, inter, 0, H, Hkv, D, eps, scale, bf16, dot, nthreads, max_rows, embed, {}, {}, {}, {}, {}, {}, {},
-          {}, {}, final_norm, cos, sin),
+          {}, {}, final_norm, cos, sin, 0, 0, false, {}, {}, {}, {}),
         in_norm(in_norm_), hid_norm(hid_norm_), qkv_w(qkv_w_), o_w(o_w_), post_norm(post_norm_), gu_w(gu_w_),
         down_w(down_w_), lm_w(lm_w_), d2t(d2t_) {
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
@@ -1111,8 +1356,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           int64_t, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor>())
+                          std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, bool,
+                          std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>>())
       .def("forward", &lowlat::Model::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("test_route", &lowlat::Model::test_route)
+      .def_readwrite("record_moe", &lowlat::Model::record_moe)
+      .def_readonly("moe_log", &lowlat::Model::moe_log)
       .def("attention", &lowlat::Model::attention)
       .def("test_silu_mul", &lowlat::Model::test_silu_mul)
       .def("test_rmsnorm", &lowlat::Model::test_rmsnorm)
