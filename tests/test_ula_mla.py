@@ -181,8 +181,11 @@ def _tp_worker(rank, port, folder, out):
             results[prefetch] = got
         # every request closed: the stores are empty; one more request, then what this rank stores per token
         dec = MlaDecoder(model, cache, MAX_LEN)
-        dec.prefill("b", prompt("b"), MAX_LEN)
+        logits = dec.prefill("b", prompt("b"), MAX_LEN)
         results["stored_entries"] = int(cache.store.live.sum())
+        for _ in range(3):  # each rank's mirrors of the other's buffer policy, after some steps
+            logits = dec.step(["b"], [int(logits.argmax())])[0]
+        results["buffer_tables"] = [pol.addr_slot.clone() for pol in cache.bufpols]
         results["entry_bytes"] = cache.entry_bytes
         results["index_key_rows"], results["addresses"] = dec.index_keys.shape[0], cache.space.top
         torch.save(results, f"{out}/rank{rank}.pt")
@@ -217,6 +220,10 @@ def test_tp2_mla_latent_stored_once_matches_resident_tp_model(model, folder, tmp
     # merged from both ranks' top-k over their own keys, gave the resident model's outputs above)
     for r in ranks:
         assert r["index_key_rows"] == -(-r["addresses"] // 2) > 0
+    # what a rank misses is known to the others without a request: their mirror of its buffer is exact
+    for r in range(2):
+        assert (ranks[r]["buffer_tables"][r] >= 0).any()
+        assert torch.equal(ranks[r]["buffer_tables"][r], ranks[1 - r]["buffer_tables"][r])
 
 
 def test_bench_kv_capacity_glm_tiny(tmp_path):

@@ -519,7 +519,9 @@ class UlaTP(KVBackend):
     buffer's misses are fetched, from their home ranks, in one all_gather (per slice of layers when prefetching).
 
     Every rank calls open/write/fetch/close with the same arguments in the same order: under TP every rank runs
-    the same step. The dense stand-in here runs the whole model on every rank, as every MLA rank reads the whole
+    the same step, with the same budgets. So every rank's buffer policy sees the same sequence of selections, and
+    each rank keeps a mirror of the others' (address -> slot tables only, no data): it knows what every rank
+    misses without being asked, and the step's one collective is the data itself. The dense stand-in here runs the whole model on every rank, as every MLA rank reads the whole
     latent entry, so a new token's entry is computed on every rank and its home rank stores it without a
     transfer (MlaDecoder runs the MLA model itself under TP, heads split: its latent projection is replicated). Per-rank budgets: `kv_device_gb` (`buffer_frac` of it for the buffer) and `kv_host_gb`."""
 
@@ -538,7 +540,9 @@ class UlaTP(KVBackend):
         self.dev = _new_pool(ndev, self.shape, dtype, device, False, poison)
         self.store = TieredStore(self.shape, dtype, self.nhome, slots_for(kv_host_gb, self.entry_bytes), device,
                                  poison, buckets, dev=self.dev[: self.nhome])
-        self.bufpol = PBLRU(nbuf, 0, num_buckets=buckets)
+        # every rank's buffer policy, this rank's own and mirrors of the others'
+        self.bufpols = [PBLRU(nbuf, 0, num_buckets=buckets) for _ in range(self.P)]
+        self.bufpol = self.bufpols[self.rank]
         self.capacity = self.P * self.store.capacity
         self.reserved = 0  # per rank: a request's entries spread over the ranks, at most ceil(n / P) here
         self.stats.update(remote=0)
@@ -558,14 +562,15 @@ class UlaTP(KVBackend):
 
     def _grow(self, top):
         self.store.grow(-(-top // self.P))
-        self.bufpol.grow(top)
+        for pol in self.bufpols:
+            pol.grow(top)
 
     def _opened(self, rid, base, n):
         self.reserved += -(-n // self.P)
 
     def _closed(self, rid, addrs):
         self.store.release(addrs[addrs % self.P == self.rank] // self.P)
-        s = self.bufpol.release(addrs)
+        s = [pol.release(addrs) for pol in self.bufpols][self.rank]
         if self.poison:
             self.dev[self.nhome + s] = math.nan
         self.reserved -= -(-addrs.numel() // self.P)
@@ -578,13 +583,12 @@ class UlaTP(KVBackend):
         P, rank = self.P, self.rank
         need = torch.unique(addrs)
         own = need % P == rank
-        plan = self.bufpol.plan(need[~own], unique=True)  # plan.addrs == need[~own]
-        miss = plan.load_addrs
-        want = miss[~torch.isin(miss, fresh)]  # a remote new token's entry was computed here too
-        # what any rank misses, in one gather: every rank runs the same step, so `need` bounds every rank's list
-        padded = F.pad(want, (0, need.numel() - want.numel()), value=-1)
-        union = torch.cat(_all_gather_rows(padded, [need.numel()] * P, self.group))
-        union = torch.unique(union[union >= 0])
+        plans = [pol.plan(need[need % P != r], unique=True) for r, pol in enumerate(self.bufpols)]
+        plan = plans[rank]  # plan.addrs == need[~own]
+        # what each rank misses (a remote new token's entry was computed there too), known here from the mirrors
+        wants = [p.load_addrs[~torch.isin(p.load_addrs, fresh)] for p in plans]
+        want = wants[rank]
+        union = torch.unique(torch.cat(wants))
         homes = [union[union % P == r] for r in range(P)]
         served = homes[rank]
         own_hits = int((self.store.policy.addr_slot[need[own] // P] >= 0).sum())
@@ -615,7 +619,8 @@ class UlaTP(KVBackend):
 
         def finish():
             m.finish()
-            self.bufpol.commit(plan)
+            for pol, p in zip(self.bufpols, plans):
+                pol.commit(p)
 
         return Fetch(self.dev, _rows_at(need, rows, addrs), _rows_at(need, rows, fresh), run, finish)
 
