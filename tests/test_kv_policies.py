@@ -158,3 +158,25 @@ def test_grouped_sdpa_equals_gqa_sdpa():
         ref = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m,
                                              enable_gqa=True, scale=0.3).transpose(1, 2).reshape(B * Q, H * D)
         assert torch.allclose(sdpa_grouped(q, k, v, m, 0.3), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("span", [1, 3])
+def test_native_loops_make_the_pytorch_decisions(span):
+    """The C++ lookup / recency update / victim walk (csrc/lru.cpp) against the PyTorch ops on the same trace:
+    the same mapping after every step, through releases (free slots) and buckets expiring."""
+    A, N = 6000, 700
+    for make in (lambda native: PBLRU(N, A, num_buckets=8, span=span, native=native),
+                 lambda native: ExactLRU(N, A, native=native)):
+        fast, ref = make(True), make(False)
+        for t, addrs in enumerate(local_trace(120, 300, A, seed=4)):
+            pf, pr = fast.access(addrs), ref.access(addrs)
+            assert torch.equal(pf.load_slots, pr.load_slots) and torch.equal(pf.load_addrs, pr.load_addrs)
+            assert torch.equal(fast.addr_slot, ref.addr_slot)
+            if t % 25 == 24:  # a request finishes: its entries' slots become free ones
+                gone = torch.arange(t * 40, t * 40 + 400)
+                assert torch.equal(fast.release(gone), ref.release(gone))
+        if isinstance(fast, PBLRU):  # the bitmap's counts too (column 0 of each bucket is the sentinel's scratch)
+            words = lambda p: p.count.view(p.B + 1, p.row)[:, 1:]
+            assert torch.equal(words(fast), words(ref)) and torch.equal(fast.slot_epoch, ref.slot_epoch)
+            assert torch.equal(fast.sizes, words(fast).sum(1))  # level 0 of the C++ path: slots per bucket
+        assert fast.hits == ref.hits > 0

@@ -18,6 +18,11 @@ buckets it takes victims from).
 Per-slot tables are indexed by slot + 1: row 0 is a sentinel that absorbs the misses' slot -1, so a step's
 recency update is one pass over all its slots with no boolean selection of the hits (index_select and
 index_fill_ on contiguous indices are the fast CPU gathers; masks and advanced indexing cost 3-8x more).
+
+On CPU tables (`native=None`: when the extension builds) the step's lookup and PB-LRU's recency update and victim
+walk run as single C++ loops (csrc/lru.cpp) over the same tables, with the same decisions: PB-LRU's bucket
+bookkeeping is several tensor passes per step in PyTorch, one loop there. The exact LRU's own work is one
+index_fill_ and one top-k, already single kernels.
 """
 from __future__ import annotations
 
@@ -40,10 +45,18 @@ class Plan:
 class Policy:
     name = "?"
 
-    def __init__(self, num_slots: int, num_addrs: int):
+    def __init__(self, num_slots: int, num_addrs: int, native: bool | None = None):
+        """native: run the C++ loops (None: when they build; False: PyTorch ops only)."""
         if num_slots <= 0:
             raise ValueError("num_slots must be positive")
         self.num_slots, self.num_addrs = num_slots, num_addrs
+        self.native = None
+        if native is not False:
+            from lanner.kvcache import _lru_ext
+
+            self.native = _lru_ext.load()
+            if native and self.native is None:
+                raise RuntimeError("the kvcache C++ extension could not be built (see the log)")
         self.addr_slot = torch.full((num_addrs,), -1, dtype=torch.long)
         self.slot_addr = torch.full((num_slots,), -1, dtype=torch.long)
         self.step = 0
@@ -65,9 +78,12 @@ class Policy:
         if n and (int(addrs[-1]) >= self.num_addrs or int(addrs[0]) < 0):
             raise IndexError(f"addresses {int(addrs[0])}..{int(addrs[-1])} outside the address space "
                              f"(0..{self.num_addrs - 1})")
-        slot1 = self.addr_slot.index_select(0, addrs) + 1  # 0: not resident (the sentinel row)
+        if self.native is not None:
+            slot1, miss = self.native.lookup(self.addr_slot, addrs)
+        else:
+            slot1 = self.addr_slot.index_select(0, addrs) + 1  # 0: not resident (the sentinel row)
+            miss = addrs[slot1 == 0]
         hit = slot1 > 0
-        miss = addrs[~hit]
         self.hits += n - miss.numel()
         self.accesses += n
         self._touch(slot1, resident=True)  # the step's hits become its most recent, hence protected, slots
@@ -123,8 +139,8 @@ class ExactLRU(Policy):
 
     name = "lru"
 
-    def __init__(self, num_slots: int, num_addrs: int):
-        super().__init__(num_slots, num_addrs)
+    def __init__(self, num_slots: int, num_addrs: int, native: bool | None = None):
+        super().__init__(num_slots, num_addrs, native)
         self.last_use = torch.full((num_slots + 1,), -1, dtype=torch.long)  # [0]: sentinel
 
     def _touch(self, slot1, resident):
@@ -150,8 +166,9 @@ class PBLRU(Policy):
 
     name = "pb-lru"
 
-    def __init__(self, num_slots: int, num_addrs: int, num_buckets: int = 64, span: int = 1):
-        super().__init__(num_slots, num_addrs)
+    def __init__(self, num_slots: int, num_addrs: int, num_buckets: int = 64, span: int = 1,
+                 native: bool | None = None):
+        super().__init__(num_slots, num_addrs, native)
         if num_buckets < 2 or num_buckets & (num_buckets - 1):
             raise ValueError(f"num_buckets must be a power of two >= 2, got {num_buckets}")
         if span < 1:
@@ -164,6 +181,8 @@ class PBLRU(Policy):
         self.count = torch.zeros((num_buckets + 1) * self.row, dtype=torch.long)
         self.count.view(num_buckets + 1, self.row)[num_buckets, 1:].index_add_(
             0, torch.arange(num_slots) // WORD, torch.ones(num_slots, dtype=torch.long))
+        self.sizes = torch.zeros(num_buckets + 1, dtype=torch.long)  # level 0, slots per bucket (C++ path only)
+        self.sizes[num_buckets] = num_slots
         self.epoch = 0
         self._lanes = torch.arange(WORD)
 
@@ -180,6 +199,8 @@ class PBLRU(Policy):
             cur = self.epoch & (self.B - 1)
             rows[(cur + 1) & (self.B - 1)] += rows[cur]
             rows[cur].zero_()
+            self.sizes[(cur + 1) & (self.B - 1)] += self.sizes[cur]
+            self.sizes[cur] = 0
 
     def _move(self, slot1, resident: bool, to_bucket: int):
         col = (slot1 + WORD - 1) >> 6  # word + 1; the sentinel (slot1 0) lands in column 0
@@ -190,20 +211,33 @@ class PBLRU(Policy):
 
     def _touch(self, slot1, resident):
         self._advance()
-        if slot1.numel():  # slots are unique: they come from unique addresses
-            self._move(slot1, resident, self.epoch & (self.B - 1))
-            self.slot_epoch.index_fill_(0, slot1, self.epoch)
-            self.slot_epoch[0] = 0
+        if slot1.numel() == 0:
+            return
+        if self.native is not None:
+            self.native.pb_move(self.slot_epoch, self.count, self.sizes, slot1, self.epoch, self.B, self.row,
+                                self.epoch & (self.B - 1), self.epoch)
+            return
+        self._move(slot1, resident, self.epoch & (self.B - 1))  # slots are unique: they come from unique addresses
+        self.slot_epoch.index_fill_(0, slot1, self.epoch)
+        self.slot_epoch[0] = 0
 
     def _free(self, slot1):
-        if slot1.numel():
-            self._move(slot1, True, self.B)
-            self.slot_epoch.index_fill_(0, slot1, -1)
+        if slot1.numel() == 0:
+            return
+        if self.native is not None:
+            self.native.pb_move(self.slot_epoch, self.count, self.sizes, slot1, self.epoch, self.B, self.row,
+                                self.B, -1)
+            return
+        self._move(slot1, True, self.B)
+        self.slot_epoch.index_fill_(0, slot1, -1)
 
     def _victims(self, n, step_slot1):
         if n == 0:
             return torch.empty(0, dtype=torch.long)
         self._advance()
+        if self.native is not None:
+            return self.native.pb_victims(self.slot_epoch, self.count, self.sizes, n, self.epoch, self.B, self.row,
+                                          self.num_slots, step_slot1)
         cur = self.epoch & (self.B - 1)
         rows = self.count.view(self.B + 1, self.row)[:, 1:]
         sizes = rows.sum(1).tolist()  # level 0: slots per bucket
