@@ -246,28 +246,10 @@ def test_check_names_an_unsupported_moe():
 
 
 def hf_checkpoint(name, folder):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """test_moe's tiny checkpoint (Qwen3-MoE with a dense layer between MoE ones; Mixtral), saved."""
+    from test_moe import make_hf
 
-    model_type, arch, extra = {
-        "qwen3_moe": ("qwen3_moe", "Qwen3MoeForCausalLM", {
-            "num_hidden_layers": 3, "num_experts": 8, "intermediate_size": 96, "moe_intermediate_size": 40,
-            "norm_topk_prob": True, "mlp_only_layers": [1]}),
-        "mixtral": ("mixtral", "MixtralForCausalLM", {"num_hidden_layers": 2, "num_local_experts": 8,
-                                                      "intermediate_size": 37}),
-    }[name]
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=64, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_experts_per_tok=2,
-                               initializer_range=0.05, **extra)
-    cfg.architectures = [arch]
-    hf = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").eval()
-    with torch.no_grad():  # non-trivial norms; routers spread enough that routing is not a coin toss
-        for n, p in hf.named_parameters():
-            if "norm" in n:
-                p.copy_(torch.randn_like(p) * 0.5 + 1.0)
-            elif n.endswith("gate.weight"):
-                p.copy_(torch.randn_like(p) * 0.3)
-    hf.save_pretrained(folder)
+    make_hf(name).save_pretrained(folder)
     return str(folder)
 
 

@@ -491,14 +491,10 @@ class HiSparse(KVBackend):
         return Fetch(self.dev, slots, fresh_slots, run, finish)
 
 
-def _all_gather_rows(x: torch.Tensor, sizes: list[int] | None = None, group=None) -> list[torch.Tensor]:
-    """Every rank's rows of x (row counts may differ) -> one tensor per rank. Sent as bytes: gloo lacks bf16."""
+def _all_gather_rows(x: torch.Tensor, sizes: list[int], group=None) -> list[torch.Tensor]:
+    """Every rank's rows of x (`sizes`: every rank's row count, known to all) -> one tensor per rank. Sent as
+    bytes: gloo lacks bf16."""
     P = dist.get_world_size(group)
-    if sizes is None:
-        n = torch.tensor([x.shape[0]])
-        ns = [torch.zeros_like(n) for _ in range(P)]
-        dist.all_gather(ns, n, group=group)
-        sizes = [int(v) for v in ns]
     row = math.prod(x.shape[1:])
     if max(sizes) == 0:
         return [x.new_empty(0, *x.shape[1:]) for _ in sizes]
