@@ -212,14 +212,17 @@ def test_check_names_the_mismatch():
         plugin.check(cfg, Hardware("cuda:0", torch.bfloat16, "GPU", (9, 0)))
     with pytest.raises(PluginMismatch, match="avx512f"):
         plugin.check(cfg, Hardware("cpu", torch.bfloat16, "old cpu", None, frozenset({"avx2", "fma"})))
-    with pytest.raises(PluginMismatch, match="tp_size=2"):
-        plugin.check(cfg, Hardware("cpu", torch.float32, "test cpu", None, flags, tp_size=2))
+    plugin.check(cfg, Hardware("cpu", torch.float32, "test cpu", None, flags, tp_size=2))  # TP: tests/test_lowlat_tp.py
     with pytest.raises(PluginMismatch, match="float16"):
         plugin.check(cfg, Hardware("cpu", torch.float16, "test cpu", None, flags))
     with pytest.raises(ValueError, match="unknown option.*'thread'"):
         LowLatPlugin(thread=2)
     with pytest.raises(ValueError, match="max_rows"):
         LowLatPlugin(max_rows=0)
+    with pytest.raises(ValueError, match="allreduce must be"):
+        LowLatPlugin(allreduce="nccl")
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        LowLatPlugin(timeout_s=0)
     # what it covers: small steps of the target, a draft model, an EAGLE-style draft head
     plugin = LowLatPlugin(max_rows=8, prefill_rows=16)
     assert plugin.covers(Step(StepKind.DECODE, 8, 8)) is False  # not built yet

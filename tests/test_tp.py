@@ -66,34 +66,6 @@ def gone(pid: int, within: float = 10.0) -> bool:
     return False
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory) -> str:
-    """A 2-layer Llama (4 query / 2 KV heads, vocab 256) with fan-in-scaled random weights: logits far apart, so
-    greedy choices do not hinge on rounding."""
-    from safetensors.torch import save_file
-
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    h, inter, layers, heads, kv, vocab, d = 64, 128, 2, 4, 2, 256, 16
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": h,
-           "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
-           "tie_word_embeddings": False, "eos_token_id": 1}
-    gen = torch.Generator().manual_seed(0)
-    w = lambda *shape: torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
-    tensors = {"model.embed_tokens.weight": torch.randn(vocab, h, generator=gen), "model.norm.weight": torch.ones(h),
-               "lm_head.weight": w(vocab, h)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": w(heads * d, h), p + "self_attn.k_proj.weight": w(kv * d, h),
-                    p + "self_attn.v_proj.weight": w(kv * d, h), p + "self_attn.o_proj.weight": w(h, heads * d),
-                    p + "mlp.gate_proj.weight": w(inter, h), p + "mlp.up_proj.weight": w(inter, h),
-                    p + "mlp.down_proj.weight": w(h, inter), p + "input_layernorm.weight": torch.ones(h),
-                    p + "post_attention_layernorm.weight": torch.ones(h)}
-    save_file(tensors, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return str(folder)
-
-
 TINY_PROMPTS = [[5, 17, 42, 99, 3], [200, 7, 7, 31], [64, 128, 250, 11, 12, 13]]
 
 

@@ -77,6 +77,11 @@ def tp_size() -> int:
     return _STATE["size"]
 
 
+def tp_timeout_s() -> float | None:
+    """The group's collective timeout (the engine's tp_timeout_s), None without a group."""
+    return _STATE["timeout_s"]
+
+
 def split_sizes(n: int, parts: int) -> list[int]:
     """n units over `parts` ranks as evenly as possible, the first ranks taking one more (9 heads / 2 -> 5, 4)."""
     return [n // parts + (r < n % parts) for r in range(parts)]

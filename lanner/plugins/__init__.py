@@ -211,7 +211,7 @@ class PluginRuntime:
 
     def _failed_anywhere(self, plugin: Plugin, kind: str, error: Exception | None) -> bool:
         """Disables the plugin if its call failed on this rank or (under TP) on any other; True if so."""
-        if tp_size() > 1 and any_rank(error is not None) and error is None:
+        if tp_size() > 1 and not plugin.consistent_failures and any_rank(error is not None) and error is None:
             error = PluginCollectiveAbort("the plugin failed on another tensor-parallel rank")
         if error is None:
             return False

@@ -94,6 +94,10 @@ class Plugin:
     architectures: tuple[str, ...] = ()  # HF architecture names; override supports() for a structural predicate
     # --plugin-verify tolerance: max |plugin - own| / max |own| per output; None: 1e-4 for float32, 3e-2 otherwise
     verify_tolerance: float | None = None
+    # Under TP the engine asks the ranks after each plugin call (one small all-reduce) whether it failed anywhere.
+    # A plugin whose calls fail on every rank or on none (its collectives agree on aborts themselves, and nothing
+    # else can fail on one rank alone) sets this True to skip that question.
+    consistent_failures: bool = False
 
     def __init__(self, **options):
         if options:

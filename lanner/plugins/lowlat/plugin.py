@@ -5,6 +5,8 @@ compute_logits hook) and for an EAGLE-style draft head's linears. See csrc/lowla
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 import threading
 import weakref
 from typing import ClassVar
@@ -12,7 +14,14 @@ from typing import ClassVar
 import torch
 
 from lanner.models.config import SUPPORTED_ARCHITECTURES
-from lanner.plugins.base import Hardware, Plugin, PluginMismatch, Step, StepKind
+from lanner.plugins.base import (
+    Hardware,
+    Plugin,
+    PluginCollectiveAbort,
+    PluginMismatch,
+    Step,
+    StepKind,
+)
 
 log = logging.getLogger("lanner")
 
@@ -27,14 +36,19 @@ class LowLatPlugin(Plugin):
         GEMV across 6-8 at a time;
     prefill_rows: the same for PREFILL / DRAFT_EXTEND steps (default 72; 0 leaves prefill to the engine);
     max_batch: most sequences per step (default 8);
-    isa: "auto" (AVX512_BF16 dot products when the CPU has them) or "avx512f" (bf16 -> fp32 shifts + FMA)."""
+    isa: "auto" (AVX512_BF16 dot products when the CPU has them) or "avx512f" (bf16 -> fp32 shifts + FMA);
+    allreduce (tensor parallelism): "auto" (a memory segment shared by the ranks when they are on one host, else
+        the process group), "shm" (the segment or a build error) or "group" (torch.distributed, gloo);
+    timeout_s (tensor parallelism): the longest wait for another rank inside a step (default: half the engine's
+        tp_timeout_s, at most 5 s); on timeout every rank aborts the step and the engine reruns it without lowlat.
+    Under TP every rank runs lowlat on its shard and all ranks use the same thread count (the smallest asked)."""
 
     name = "lowlat"
     # Llama-family models, dense or with MoE feed-forwards (Qwen3-MoE, Mixtral); not MLA (the DeepSeek family)
     architectures = tuple(sorted(a for a, f in SUPPORTED_ARCHITECTURES.items() if f == "llama"))
     MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
     OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
-                               "isa": str}
+                               "isa": str, "allreduce": str, "timeout_s": (int, float)}
 
     def __init__(self, **options):
         unknown = sorted(set(options) - set(self.OPTIONS))
@@ -48,6 +62,8 @@ class LowLatPlugin(Plugin):
         self.prefill_rows = options.get("prefill_rows", 72)
         self.max_batch = options.get("max_batch", 8)
         self.isa = options.get("isa", "auto")
+        self.allreduce = options.get("allreduce", "auto")
+        self.timeout_s = options.get("timeout_s")
         if self.threads is not None and self.threads < 1:
             raise ValueError("plugin lowlat: threads must be >= 1")
         if not 1 <= self.max_rows <= 256:
@@ -58,6 +74,10 @@ class LowLatPlugin(Plugin):
             raise ValueError("plugin lowlat: max_batch must be >= 1")
         if self.isa not in ("auto", "avx512f"):
             raise ValueError(f"plugin lowlat: isa must be 'auto' or 'avx512f', got {self.isa!r}")
+        if self.allreduce not in ("auto", "shm", "group"):
+            raise ValueError(f"plugin lowlat: allreduce must be 'auto', 'shm' or 'group', got {self.allreduce!r}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError("plugin lowlat: timeout_s must be > 0")
         self.rows = max(self.max_rows, self.prefill_rows)  # the kernels' capacity
         self._kernel = None  # the target model's kernel
         self._scratch = None  # its activation buffers, reachable here so the engine accounts for them
@@ -65,6 +85,10 @@ class LowLatPlugin(Plugin):
         self._target_id = None
         self._lock = threading.Lock()  # a kernel's buffers serve one forward at a time
         self.hardware = None
+        self._segment = None  # under TP on one host: the memory segment the ranks sum through (counted as ours)
+        # True when a failure is raised on every rank or none (the shared segment's waits agree by themselves), so
+        # the engine need not ask the ranks after each call
+        self.consistent_failures = False
 
     # ------------------------------------------------------------------ contract
     def supports(self, model_config) -> bool:
@@ -92,8 +116,6 @@ class LowLatPlugin(Plugin):
         if "avx512f" not in hardware.cpu_flags:
             raise PluginMismatch(f"lowlat: the CPU ({hardware.device_name or 'unknown'}) lacks the avx512f flag; "
                                  "lowlat's kernels need AVX-512")
-        if hardware.tp_size != 1:
-            raise PluginMismatch(f"lowlat: tensor parallelism is not supported (tp_size={hardware.tp_size}, needs 1)")
         if model_config.architecture not in self.architectures:
             raise PluginMismatch(f"lowlat: architecture {model_config.architecture} not supported; it runs "
                                  f"{list(self.architectures)}")
@@ -119,11 +141,63 @@ class LowLatPlugin(Plugin):
         ext = self._load_extension()
         self.hardware = hardware
         self.threads_used = self.threads or torch.get_num_threads()
+        if hardware.tp_size > 1:
+            from lanner.distributed import agree_min
+
+            self.threads_used = agree_min(self.threads_used)  # the ranks split the hidden columns alike
         self.uses_dot = (hardware.dtype == torch.bfloat16 and self.isa == "auto"
                          and "avx512_bf16" in hardware.cpu_flags and ext.have_avx512_bf16)
         self._kernel = self._make_kernel(model)
         self._target_id = id(model)
         self._scratch = self._kernel.scratch
+        if hardware.tp_size > 1:
+            self._join_tp(model, hardware)
+
+    def _join_tp(self, model, hardware: Hardware):
+        """Connects the target's kernel to the other ranks: through a segment every rank maps (rank 0 creates a
+        zero-filled file in /dev/shm; a rank that cannot see it is on another host) or the process group."""
+        from lanner.distributed import (
+            all_reduce_within,
+            any_rank,
+            broadcast_object,
+            split_sizes,
+            tp_timeout_s,
+        )
+
+        limit = tp_timeout_s()
+        timeout = self.timeout_s if self.timeout_s is not None else min(5.0, limit / 2)
+        if not timeout < limit:
+            raise ValueError(f"plugin lowlat: timeout_s={timeout:g} must be below the engine's tp_timeout_s={limit:g}")
+        P, rank = hardware.tp_size, hardware.tp_rank
+        sizes = split_sizes(model.cfg.vocab_size, P)
+        segment = None
+        if self.allreduce != "group":
+            nbytes = self._kernel.tp_segment_bytes(P, max(sizes))
+            path = None
+            if rank == 0:
+                fd, path = tempfile.mkstemp(prefix="lanner-lowlat-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                            else None)
+                os.ftruncate(fd, nbytes)
+                os.close(fd)
+            path = broadcast_object(path)
+            try:
+                if os.path.getsize(path) == nbytes:  # from_file would create a missing file
+                    segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            except OSError:
+                pass
+            apart = any_rank(segment is None)  # also: every rank has mapped it before rank 0 unlinks it
+            if rank == 0:
+                os.unlink(path)
+            if apart:
+                if self.allreduce == "shm":
+                    raise PluginMismatch("lowlat: allreduce='shm' but the ranks do not share a host (/dev/shm)")
+                segment = None
+        self._segment = segment
+        self.consistent_failures = segment is not None
+        self._kernel.set_tp(P, rank, sizes, float(timeout), segment,
+                            lambda t: all_reduce_within(t, timeout))
+        log.info("lowlat: tensor parallel rank %d of %d, all-reduce through %s, wait limit %.3g s", rank, P,
+                 "a shared memory segment" if segment is not None else "the process group", timeout)
 
     def covers(self, step: Step) -> bool:
         if self._kernel is None or step.batch_size > self.max_batch:
@@ -144,8 +218,15 @@ class LowLatPlugin(Plugin):
         if meta.q_lens is None:
             raise RuntimeError("lowlat: AttentionMetadata carries no q_lens/ctx_lens/block_tables")
         with self._lock:
-            return kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
-                                  meta.block_size, list(capture_layers))
+            out = kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
+                                 meta.block_size, list(capture_layers))
+        self._check_aborted(kernel)
+        return out
+
+    def _check_aborted(self, kernel):
+        if kernel is self._kernel and self.hardware.tp_size > 1 and kernel.tp_aborted:
+            raise PluginCollectiveAbort("lowlat: a tensor-parallel rank did not reach a collective within the "
+                                        "wait limit (timeout_s); the step is aborted on every rank")
 
     # ------------------------------------------------------------------ EAGLE-style draft head
     HEAD_PARTS = ("input_layernorm", "hidden_norm", "qkv_proj", "o_proj", "post_attention_layernorm", "mlp", "norm",
@@ -240,10 +321,11 @@ class LowLatPlugin(Plugin):
         def per_layer(kind, get):
             return [get(lyr.mlp).data if k == kind else none for lyr, k in zip(layers, kinds)]
 
+        # this rank's shard under TP (heads, intermediate size and vocabulary rows; whole models otherwise)
+        inter = next((lyr.mlp.inter for lyr, k in zip(layers, kinds) if k == "dense"), 0)
         with torch.no_grad():  # the model's own tensors, no copies: the kernel keeps references
             return self._load_extension().Model(
-                c.hidden_size, c.intermediate_size if "dense" in kinds else 0, c.num_layers, c.num_heads,
-                c.num_kv_heads, c.head_dim, float(c.rms_norm_eps), float(att[0].scale), dtype == torch.bfloat16,
+                c.hidden_size, inter, c.num_layers, att[0].num_heads, att[0].num_kv_heads, c.head_dim, float(c.rms_norm_eps), float(att[0].scale), dtype == torch.bfloat16,
                 self.uses_dot, self.threads_used, self.rows,
                 model.embed_tokens.weight.data,
                 [lyr.input_layernorm.weight.data for lyr in layers],
@@ -293,4 +375,11 @@ class LowLatPlugin(Plugin):
         weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         if hidden.shape[0] > self.rows or weight.dtype != self.hardware.dtype:
             return model.compute_logits(hidden)
-        return self._kernel.linear(hidden, weight, None, False)
+        if id(model) != self._target_id or self.hardware.tp_size == 1:
+            return self._kernel.linear(hidden, weight, None, False)
+        if self._segment is None:  # across hosts the gather is the process group's, like the engine's own
+            return model.compute_logits(hidden)
+        with self._lock:
+            out = self._kernel.linear_gather(hidden.contiguous(), weight)  # every rank gets the full row
+        self._check_aborted(self._kernel)
+        return out

@@ -36,10 +36,14 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include <sched.h>
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -357,6 +361,87 @@ static inline void gemv(const WT* W, int64_t K, int64_t n0, int64_t n1, const XT
   gemv_rows<typename KindOf<WT, XT>::type>(W, K, n0, n1, X, ldx, M, out, ldo);
 }
 
+// ------------------------------------------------------------------------------------------------ TP comm
+// Tensor parallelism: the row-parallel outputs (o_proj, down / MoE experts, the vocab-split embedding) are summed
+// over the ranks inside the forward call, and the vocab-split logits gathered inside `linear_gather`. Ranks on one
+// host share a memory segment (a file every rank maps): each thread writes its rounded partial of its own hidden
+// columns to its rank's slot and publishes it by storing the collective's sequence number into its flag (values
+// tagged with the step's collective number, no separate ready/clear handshake), then waits for the same thread's
+// flags of the other ranks to reach that number and sums the slots in rank order (the same bits on every rank).
+// Slots alternate by the number's parity: a rank can run at most one collective ahead of another (it needs the
+// other's partial to finish), so it never overwrites a slot still being read. A wait longer than `timeout_s`
+// (shorter than the engine's watchdog) marks the late flag with -1 by compare-and-swap, and publishing is a
+// compare-and-swap too: either the late rank published in time or it finds its flag marked, never both, and
+// every other rank waits on that flag too, so all ranks give up the step together and no rank needs to ask the
+// others afterwards. An aborted forward runs to its end without waiting and reports `aborted`. Ranks on several
+// hosts use the process group instead (a Python callable, called by thread 0 between barriers).
+struct Comm {
+  int64_t P = 1, rank = 0, nt = 1, hidden = 0, rows = 0, gather_cols = 0;
+  double timeout_s = 0;
+  torch::Tensor shm;  // the mapped segment (keeps the mapping alive)
+  char* base = nullptr;
+  int64_t off_red = 0, off_gather = 0, gather_rows = 0;
+  int64_t seq = 0;  // collectives this rank has started (the same sequence on every rank)
+  bool aborted = false;
+  pybind11::object py_reduce;  // multi-host: sums a float tensor in place; returns False when it timed out
+
+  // segment: [abort word][flags: P x nt][reduce slots: 2 x P x rows x hidden f32][gather slots: 2 x P x
+  // gather_rows x gather_cols f32]; every flag on its own cache line
+  static int64_t bytes(int64_t P, int64_t nt, int64_t rows, int64_t hidden, int64_t gather_rows, int64_t gather_cols) {
+    return 64 * (1 + P * nt) + 2 * P * (rows * hidden + gather_rows * gather_cols) * 4 + 64;
+  }
+  void map(torch::Tensor seg) {
+    shm = seg;
+    base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(seg.data_ptr()) + 63) / 64 * 64);
+    off_red = 64 * (1 + P * nt);
+    off_gather = off_red + 2 * P * rows * hidden * 4;
+    TORCH_CHECK(seg.numel() >= bytes(P, nt, rows, hidden, gather_rows, gather_cols),
+                "lowlat: the shared TP segment is too small");
+  }
+  int64_t* abort_word() const { return reinterpret_cast<int64_t*>(base); }
+  int64_t* flag(int64_t r, int64_t t) const { return reinterpret_cast<int64_t*>(base + 64 * (1 + r * nt + t)); }
+  float* red(int64_t s, int64_t r) const {
+    return reinterpret_cast<float*>(base + off_red) + ((s & 1) * P + r) * rows * hidden;
+  }
+  float* gat(int64_t s, int64_t r) const {
+    return reinterpret_cast<float*>(base + off_gather) + ((s & 1) * P + r) * gather_rows * gather_cols;
+  }
+  bool shared() const { return base != nullptr; }
+
+  // publish thread t's part of collective s, then wait for every other rank's; false when the step is aborted
+  bool exchange(int t, int64_t s) {
+    int64_t* mine = flag(rank, t);
+    int64_t prev = __atomic_load_n(mine, __ATOMIC_ACQUIRE);
+    if (prev < 0 || !__atomic_compare_exchange_n(mine, &prev, s, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+      return give_up();  // another rank marked this thread late
+    if (__atomic_load_n(&aborted, __ATOMIC_RELAXED)) return false;
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t r = 0; r < P; r++) {
+      if (r == rank) continue;
+      int64_t* f = flag(r, t);
+      for (uint64_t spin = 1;; spin++) {
+        int64_t v = __atomic_load_n(f, __ATOMIC_ACQUIRE);
+        if (v >= s) break;
+        if (v < 0 || __atomic_load_n(abort_word(), __ATOMIC_ACQUIRE) != 0) return give_up();
+        _mm_pause();
+        if (spin % 1024 == 0) {
+          if (spin > 32768) sched_yield();  // the other rank is slow: let it have this core
+          const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          if (waited > timeout_s && __atomic_compare_exchange_n(f, &v, -1, false, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+            __atomic_store_n(abort_word(), 1, __ATOMIC_RELEASE);  // a fast path for the others; the mark decides
+            return give_up();
+          }  // else it published just now: v >= s on the next load
+        }
+      }
+    }
+    return true;
+  }
+  bool give_up() {
+    __atomic_store_n(&aborted, true, __ATOMIC_RELAXED);  // this rank's threads may all get here
+    return false;
+  }
+};
+
 // ------------------------------------------------------------------------------------------------ model
 template <typename T>
 static const T* ptr(const torch::Tensor& t) {
@@ -387,6 +472,11 @@ struct Model {
   // [E, hidden, minter]
   std::vector<torch::Tensor> router_w, w13, w2;
   torch::Tensor scratch;  // activations for max_rows rows, exposed so the plugin can account for it
+  // tensor parallelism (set_tp): this rank's heads / intermediate / vocab rows are its shards of the weights;
+  // the embedding holds vocab rows [vocab0, vocab0 + vocab) of vocab_total
+  Comm comm;
+  int64_t vocab0 = 0, vocab_total = 0;
+  std::vector<int64_t> vocab_sizes;  // every rank's vocab rows (the logits gather)
   // scratch carve-up (bytes)
   int64_t off_x, off_xin, xin_stride, off_qkv, off_q, off_ain, off_tmp, off_gu, off_act;
   int64_t off_logit = 0, off_macc = 0, off_mact = 0, off_xg = 0, xg_stride = 0;  // MoE
@@ -410,7 +500,7 @@ struct Model {
     TORCH_CHECK(nthreads >= 1 && max_rows >= 1 && max_rows <= kMaxRows,
                 "lowlat: threads must be >= 1 and max_rows in 1..", kMaxRows);
     TORCH_CHECK(D <= 512, "lowlat: head_dim must be <= 512, got ", D);
-    vocab = embed.size(0);
+    vocab = vocab_total = embed.size(0);
     max_pos = cos.size(0);
     TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
                     sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
@@ -486,6 +576,77 @@ struct Model {
   template <typename X> X* buf(int64_t off) const {
     auto base = reinterpret_cast<uintptr_t>(scratch.data_ptr());
     return reinterpret_cast<X*>((base + 63) / 64 * 64 + off);
+  }
+
+  // Joins a tensor-parallel group of P ranks as `rank`: `segment` is the shared segment (one host; every rank maps
+  // the same file, zero-filled, of at least tp_segment_bytes()), or undefined to reduce with `py_reduce` (a
+  // callable summing a float tensor in place over the ranks, False when it timed out). vocab_sizes: every rank's
+  // vocabulary rows, in rank order.
+  void set_tp(int64_t P, int64_t rank, std::vector<int64_t> vocab_sizes_, double timeout_s,
+              c10::optional<torch::Tensor> segment, pybind11::object py_reduce) {
+    TORCH_CHECK(P >= 2 && rank >= 0 && rank < P && (int64_t)vocab_sizes_.size() == P &&
+                    vocab_sizes_[rank] == vocab && timeout_s > 0,
+                "lowlat.set_tp: P >= 2 ranks, rank in 0..P-1, one vocab size per rank (this rank's = ", vocab,
+                ") and a timeout > 0");
+    comm = Comm();
+    comm.P = P;
+    comm.rank = rank;
+    comm.nt = nthreads;
+    comm.hidden = hidden;
+    comm.rows = max_rows;
+    comm.timeout_s = timeout_s;
+    comm.seq = 1;  // the segment starts zeroed: flag 0 is "nothing published"
+    vocab_sizes = vocab_sizes_;
+    vocab0 = 0;
+    for (int64_t r = 0; r < rank; r++) vocab0 += vocab_sizes[r];
+    vocab_total = vocab0;
+    for (int64_t r = rank; r < P; r++) vocab_total += vocab_sizes[r];
+    comm.gather_cols = *std::max_element(vocab_sizes.begin(), vocab_sizes.end());
+    comm.gather_rows = std::min<int64_t>(max_rows, kGatherRows);
+    if (segment.has_value()) comm.map(*segment);
+    else comm.py_reduce = py_reduce;
+  }
+  static constexpr int64_t kGatherRows = 16;  // logits rows per gather exchange (bounds the segment's size)
+  int64_t tp_segment_bytes(int64_t P, int64_t local_vocab_max) const {
+    return Comm::bytes(P, nthreads, max_rows, hidden, std::min<int64_t>(max_rows, kGatherRows), local_vocab_max);
+  }
+  bool tp_aborted() const { return comm.aborted; }
+
+  // Under TP: sums p (this rank's partial of columns [a, b) = split(hidden, 16) of thread tid, T rows, already in
+  // the model's rounding) over the ranks, in place, as collective s. Every thread of every rank calls it.
+  void tp_reduce(float* p, int64_t T, int64_t a, int64_t b, int tid, int64_t s, std::string& err) {
+    if (comm.shared()) {
+      float* mine = comm.red(s, comm.rank);
+      for (int64_t t = 0; t < T; t++) std::memcpy(mine + t * hidden + a, p + t * hidden + a, (b - a) * sizeof(float));
+      if (!comm.exchange(tid, s)) return;  // aborted: the step's result is dropped
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t c = a; c < b; c++) {
+          float v = 0.f;
+          for (int64_t r = 0; r < comm.P; r++) v += comm.red(s, r)[t * hidden + c];
+          p[t * hidden + c] = v;
+        }
+      return;
+    }
+#pragma omp barrier
+    if (tid == 0 && err.empty()) {  // the process group: every collective is still issued after a timeout
+      try {
+        pybind11::gil_scoped_acquire gil;
+        const bool ok = comm.py_reduce(torch::from_blob(p, {T, hidden}, torch::kFloat32)).cast<bool>();
+        if (!ok) comm.aborted = true;
+      } catch (const std::exception& e) {  // a failed peer: no exception may leave the parallel region
+        err = e.what();
+        comm.aborted = true;
+      }
+    }
+#pragma omp barrier
+  }
+
+  // a row-parallel GEMV's raw partial (columns [a, b)): rounded as the module's output is, then summed over ranks
+  template <typename WT>
+  void tp_partial(float* p, int64_t T, int64_t a, int64_t b, int tid, int64_t s, std::string& err) {
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t c = a; c < b; c++) p[t * hidden + c] = rnd<WT>(p[t * hidden + c]);
+    tp_reduce(p, T, a, b, tid, s, err);
   }
 
   // rms-normalize `rows` rows of x (float) with weight w into dst (packed GEMV input or model-dtype output):
@@ -748,7 +909,7 @@ struct Model {
   // index_add_ into a model-dtype buffer), then the residual add. Two barriers inside (after the router, after
   // gate/up), however many experts are hit; the caller's barrier ends it.
   template <typename WT, typename XT>
-  void moe_ffn(int64_t l, int tid, int nt, const XT* xin, int64_t T, Route& rt) {
+  void moe_ffn(int64_t l, int tid, int nt, const XT* xin, int64_t T, Route& rt, int64_t& s, std::string& err) {
     float* x = buf<float>(off_x);
     float* logit = buf<float>(off_logit);
     float* gu = buf<float>(off_gu);
@@ -795,8 +956,9 @@ struct Model {
         for (int64_t c = a; c < b; c++) ar[c] = rnd<WT>(ar[c] + rnd<WT>(rnd<WT>(yr[c]) * wt));
       }
     }
+    if (comm.P > 1) tp_reduce(acc, T, a, b, tid, s++, err);  // the experts' sums are already rounded
     for (int64_t t = 0; t < T; t++)
-      for (int64_t c = a; c < b; c++) x[t * hidden + c] = rnd<WT>(x[t * hidden + c] + acc[t * hidden + c]);
+      for (int64_t c = a; c < b; c++) x[t * hidden + c] = rnd<WT>(x[t * hidden + c] + rnd<WT>(acc[t * hidden + c]));
   }
 
   // test hook: the router's top-k on given logits [T, E] (rounded to the model dtype first) -> (ids, weights)
@@ -845,6 +1007,9 @@ struct Model {
     const float* cosT = cos.data_ptr<float>();
     const float* sinT = sin.data_ptr<float>();
     const int M = int(T);
+    const bool tp = comm.P > 1;
+    int64_t seq_end = comm.seq;
+    std::string err;
 
 #pragma omp parallel num_threads(nthreads)
     {
@@ -852,11 +1017,21 @@ struct Model {
       XT* xin = buf<XT>(off_xin + tid * xin_stride);
       thread_local std::vector<float> S, O;
       thread_local Route rt;
-      int64_t a, b;
-      // embedding
-      split(T, 1, tid, nt, a, b);
-      for (int64_t t = a; t < b; t++)
-        for (int64_t i = 0; i < hidden; i++) x[t * hidden + i] = ldf(emb, ids[t] * hidden + i);
+      int64_t a, b, s = comm.seq;  // s: this step's next collective
+      // embedding (under TP: this rank's vocab rows, zeros elsewhere, summed over the ranks)
+      if (tp) {
+        split(hidden, 16, tid, nt, a, b);
+        for (int64_t t = 0; t < T; t++) {
+          const int64_t row = ids[t] - vocab0;
+          for (int64_t i = a; i < b; i++) tmp[t * hidden + i] = row >= 0 && row < vocab ? ldf(emb, row * hidden + i) : 0.f;
+        }
+        tp_reduce(tmp, T, a, b, tid, s++, err);
+        for (int64_t t = 0; t < T; t++) std::memcpy(x + t * hidden + a, tmp + t * hidden + a, (b - a) * sizeof(float));
+      } else {
+        split(T, 1, tid, nt, a, b);
+        for (int64_t t = a; t < b; t++)
+          for (int64_t i = 0; i < hidden; i++) x[t * hidden + i] = ldf(emb, ids[t] * hidden + i);
+      }
 #pragma omp barrier
       for (int64_t l = 0; l < L; l++) {
         // --- attention block: norm (every thread, private copy) -> QKV GEMV over this thread's heads + epilogue
@@ -910,6 +1085,7 @@ struct Model {
         // --- o_proj + residual
         split(hidden, 16, tid, nt, a, b);
         gemv<WT, XT>(ptr<WT>(o_w[l]), H * D, a, b, ain, H * D, M, tmp, hidden);
+        if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
         for (int64_t t = 0; t < T; t++)
           for (int64_t n = a; n < b; n++)
             x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
@@ -918,7 +1094,7 @@ struct Model {
         // --- MLP: norm (private) -> gate/up rows [a, b) of both halves -> SiLU(gate) * up
         rmsnorm<WT, XT>(x, ptr<WT>(post_norm[l]), xin, 0, T);
         if (is_moe[l]) {
-          moe_ffn<WT, XT>(l, tid, nt, xin, T, rt);
+          moe_ffn<WT, XT>(l, tid, nt, xin, T, rt, s, err);
 #pragma omp barrier
           if (cap_at[l] != nullptr) {
             split(T, 1, tid, nt, a, b);
@@ -938,6 +1114,7 @@ struct Model {
         // --- down + residual
         split(hidden, 16, tid, nt, a, b);
         gemv<WT, XT>(ptr<WT>(down_w[l]), inter, a, b, act, inter, M, tmp, hidden);
+        if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
         for (int64_t t = 0; t < T; t++)
           for (int64_t n = a; n < b; n++)
             x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
@@ -950,7 +1127,10 @@ struct Model {
       }
       split(T, 1, tid, nt, a, b);
       rmsnorm<WT, WT>(x, ptr<WT>(final_norm), out, a, b);
+      if (tid == 0) seq_end = s;
     }
+    comm.seq = seq_end;
+    TORCH_CHECK(err.empty(), "lowlat: the tensor-parallel all-reduce failed: ", err);
   }
 
   // forward(input_ids, positions, kv (per layer (k_cache, v_cache)), q_lens, ctx_lens, block_tables, block_size,
@@ -988,8 +1168,9 @@ struct Model {
       kcs[l] = kv[l][0].data_ptr();
       vcs[l] = kv[l][1].data_ptr();
     }
+    TORCH_CHECK(!comm.aborted, "lowlat: an earlier tensor-parallel step was aborted; this kernel is retired");
     for (int64_t t = 0; t < T; t++)
-      TORCH_CHECK(idp[t] >= 0 && idp[t] < vocab, "lowlat: token id ", idp[t], " out of range");
+      TORCH_CHECK(idp[t] >= 0 && idp[t] < vocab_total, "lowlat: token id ", idp[t], " out of range");
     int64_t t = 0;
     for (int64_t b = 0; b < B; b++) {
       const int64_t ql = q_lens[b], cl = ctx_lens[b];
@@ -1138,6 +1319,33 @@ struct Model {
       else y.add_(*bias);
     }
     return out_float ? y.to(torch::kFloat32) : y.to(wdt);
+  }
+
+  // The LM head over a vocab-split weight under TP: every rank's x [M, hidden] @ its W shard [vocab, hidden].T,
+  // gathered through the shared segment into the full [M, vocab_total] logits (in the model dtype) on every rank,
+  // in chunks of gather_rows rows. Every rank calls it for the same M. Sets `aborted` (and returns garbage) when
+  // the exchange timed out.
+  torch::Tensor linear_gather(torch::Tensor x, torch::Tensor W) {
+    TORCH_CHECK(comm.P > 1 && comm.shared(), "lowlat.linear_gather: needs set_tp with a shared segment");
+    TORCH_CHECK(!comm.aborted, "lowlat: an earlier tensor-parallel step was aborted; this kernel is retired");
+    TORCH_CHECK(W.dim() == 2 && W.size(0) == vocab_sizes[comm.rank], "lowlat.linear_gather: W must be this rank's ",
+                vocab_sizes[comm.rank], " vocabulary rows");
+    const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
+    auto y = linear(x, W, c10::nullopt, true);  // [M, local vocab] float32
+    const int64_t M = y.size(0), n = y.size(1), ld = comm.gather_cols;
+    auto out = torch::empty({M, vocab_total}, torch::TensorOptions().dtype(torch::kFloat32));
+    float* o = out.data_ptr<float>();
+    const float* yp = y.data_ptr<float>();
+    for (int64_t m0 = 0; m0 < M; m0 += comm.gather_rows) {
+      const int64_t m1 = std::min(M, m0 + comm.gather_rows), s = comm.seq++;
+      float* mine = comm.gat(s, comm.rank);
+      for (int64_t m = m0; m < m1; m++) std::memcpy(mine + (m - m0) * ld, yp + m * n, n * sizeof(float));
+      if (!comm.exchange(0, s)) break;
+      for (int64_t r = 0, c0 = 0; r < comm.P; c0 += vocab_sizes[r], r++)
+        for (int64_t m = m0; m < m1; m++)
+          std::memcpy(o + m * vocab_total + c0, comm.gat(s, r) + (m - m0) * ld, vocab_sizes[r] * sizeof(float));
+    }
+    return out.to(wdt);
   }
 };
 
@@ -1366,6 +1574,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attention", &lowlat::Model::attention)
       .def("test_silu_mul", &lowlat::Model::test_silu_mul)
       .def("test_rmsnorm", &lowlat::Model::test_rmsnorm)
+      .def("set_tp", &lowlat::Model::set_tp)
+      .def("tp_segment_bytes", &lowlat::Model::tp_segment_bytes)
+      .def_property_readonly("tp_aborted", &lowlat::Model::tp_aborted)
+      .def("linear_gather", &lowlat::Model::linear_gather, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("linear", &lowlat::Model::linear, pybind11::arg("x"), pybind11::arg("weight"),
            pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float") = false)
       .def_readonly("scratch", &lowlat::Model::scratch)
