@@ -47,12 +47,19 @@ def run_system(name: str, a, prompt) -> tuple[float, list[int], dict]:
     params = SamplingParams(temperature=0, max_tokens=a.tokens, ignore_eos=True)
     with LLM(**kw) as llm:
         llm.generate(prompt, params)  # warm-up: first touch of weights and caches
+        rt = llm.engine.plugins
+        kernel = rt.plugins[0]._kernel if rt and spec["tp"] > 1 else None
+        if kernel is not None:
+            kernel.tp_wait_stats()  # reset
         t = time.perf_counter()
         out = llm.generate(prompt, params)[0]
         dt = time.perf_counter() - t
-        counts = {f"{p}/{k}": n for (p, k), n in (llm.engine.plugins.counts.items() if llm.engine.plugins else [])}
-        disabled = dict(llm.engine.plugins.disabled) if llm.engine.plugins else {}
-    return a.tokens / dt, out.token_ids, {"plugin_calls": counts, "plugin_disabled": disabled}
+        info = {"plugin_calls": {f"{p}/{k}": n for (p, k), n in (rt.counts.items() if rt else [])},
+                "plugin_disabled": dict(rt.disabled) if rt else {}}
+        if kernel is not None and options.get("allreduce") == "shm":
+            exchanges, wait_s = kernel.tp_wait_stats()
+            info |= {"rank0_exchanges": exchanges, "rank0_wait_s": wait_s, "rank0_wait_share": wait_s / dt}
+    return a.tokens / dt, out.token_ids, info
 
 
 def main(argv=None):
@@ -78,7 +85,9 @@ def main(argv=None):
             tok_s, ids, info = run_system(n, a, prompt)
             runs[n].append(tok_s)
             tokens[n], extra[n] = ids, info
-            print(f"cycle {c + 1}/{a.cycles} {n}: {tok_s:.1f} tok/s", flush=True)
+            waits = (f", rank 0 waited {info['rank0_wait_s'] * 1e3:.0f} ms in {info['rank0_exchanges']} exchanges "
+                     f"({info['rank0_wait_share']:.0%} of the time)") if "rank0_wait_s" in info else ""
+            print(f"cycle {c + 1}/{a.cycles} {n}: {tok_s:.1f} tok/s{waits}", flush=True)
     ref = names[0]
     rows = [{"system": n, "tok_s": statistics.median(runs[n]), "tok_s_runs": runs[n],
              "same_tokens_as_" + ref: tokens[n] == tokens[ref], **extra[n]} for n in names]
