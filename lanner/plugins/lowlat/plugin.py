@@ -177,20 +177,26 @@ class LowLatPlugin(Plugin):
             if rank == 0:
                 fd, path = tempfile.mkstemp(prefix="lanner-lowlat-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                             else None)
-                os.ftruncate(fd, nbytes)
+                try:  # reserve the pages now: a full /dev/shm must be an error here, not a SIGBUS mid-step
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    log.warning("lowlat: no room for the %d-byte TP segment in %s (%s)", nbytes, path, e)
+                    os.unlink(path)
+                    path = None
                 os.close(fd)
             path = broadcast_object(path)
             try:
-                if os.path.getsize(path) == nbytes:  # from_file would create a missing file
+                if path is not None and os.path.getsize(path) == nbytes:  # from_file would create a missing file
                     segment = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
             except OSError:
                 pass
             apart = any_rank(segment is None)  # also: every rank has mapped it before rank 0 unlinks it
-            if rank == 0:
+            if rank == 0 and path is not None:
                 os.unlink(path)
             if apart:
                 if self.allreduce == "shm":
-                    raise PluginMismatch("lowlat: allreduce='shm' but the ranks do not share a host (/dev/shm)")
+                    raise PluginMismatch("lowlat: allreduce='shm' but the ranks share no segment (other hosts, or "
+                                         "no room in /dev/shm)")
                 segment = None
         self._segment = segment
         self.consistent_failures = segment is not None

@@ -616,6 +616,16 @@ struct Model {
     comm.gather_rows = std::min<int64_t>(max_rows, kGatherRows);
     if (segment.has_value()) comm.map(*segment);
     else comm.py_reduce = py_reduce;
+    // every rank must split the hidden columns alike: no team smaller than asked (OMP_DYNAMIC, thread limits)
+    omp_set_dynamic(0);
+    int team = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp single
+      team = omp_get_num_threads();
+    }
+    TORCH_CHECK(team == nthreads, "lowlat: tensor parallelism needs teams of exactly ", nthreads,
+                " OpenMP threads on every rank, this rank gets ", team);
   }
   static constexpr int64_t kGatherRows = 16;  // logits rows per gather exchange (bounds the segment's size)
   int64_t tp_segment_bytes(int64_t P, int64_t local_vocab_max) const {
