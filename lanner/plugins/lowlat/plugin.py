@@ -201,7 +201,7 @@ class LowLatPlugin(Plugin):
         self._segment = segment
         self.consistent_failures = segment is not None
         self._kernel.set_tp(P, rank, sizes, float(timeout), segment,
-                            lambda t: all_reduce_within(t, timeout))
+                            None if segment is not None else lambda t: all_reduce_within(t, timeout))
         log.info("lowlat: tensor parallel rank %d of %d, all-reduce through %s, wait limit %.3g s", rank, P,
                  "a shared memory segment" if segment is not None else "the process group", timeout)
 
@@ -331,8 +331,9 @@ class LowLatPlugin(Plugin):
         inter = next((lyr.mlp.inter for lyr, k in zip(layers, kinds) if k == "dense"), 0)
         with torch.no_grad():  # the model's own tensors, no copies: the kernel keeps references
             return self._load_extension().Model(
-                c.hidden_size, inter, c.num_layers, att[0].num_heads, att[0].num_kv_heads, c.head_dim, float(c.rms_norm_eps), float(att[0].scale), dtype == torch.bfloat16,
-                self.uses_dot, self.threads_used, self.rows,
+                c.hidden_size, inter, c.num_layers, att[0].num_heads, att[0].num_kv_heads, c.head_dim,
+                float(c.rms_norm_eps), float(att[0].scale), dtype == torch.bfloat16, self.uses_dot, self.threads_used,
+                self.rows,
                 model.embed_tokens.weight.data,
                 [lyr.input_layernorm.weight.data for lyr in layers],
                 [a.qkv_proj.weight.data for a in att],
