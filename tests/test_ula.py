@@ -10,16 +10,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lanner.kvcache.lru import PBLRU, ExactLRU
-from lanner.kvcache.ula import (
-    CacheFull,
-    GpuOnly,
-    HiSparse,
-    TieredStore,
-    UlaDP,
-    UlaSession,
-    UlaTP,
-    entry_shape,
-)
+from lanner.engine.ula_dense import UlaSession
+from lanner.kvcache.ula import CacheFull, GpuOnly, HiSparse, TieredStore, UlaDP, UlaTP, entry_shape
 
 SHAPE = (2, 2, 1, 4)  # unit tests: an entry of 2 layers x (K, V) x 1 head x 4 dims
 GB_PER_ENTRY = 16 * 4 / 2 ** 30  # float32

@@ -10,17 +10,8 @@ import torch
 import torch.multiprocessing as mp
 
 from lanner.engine.runner import ModelRunner, SeqChunk
-from lanner.kvcache.ula import (
-    CacheFull,
-    GpuOnly,
-    HiSparse,
-    MlaDecoder,
-    UlaDP,
-    UlaTP,
-    mla_entry_shape,
-    mla_kv_bytes,
-    selection_groups,
-)
+from lanner.engine.ula_mla import MlaDecoder, mla_entry_shape, mla_kv_bytes, selection_groups
+from lanner.kvcache.ula import CacheFull, GpuOnly, HiSparse, UlaDP, UlaTP
 from lanner.models.loader import ModelSource, load_model
 from lanner.models.tiny import make_tiny_model
 

@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 def worker(rank, port, folder, out, system, batch):
     from lanner.bench.kv import _load_tiny, _mla_prompts
     from lanner.distributed import destroy_tp, init_tp
-    from lanner.kvcache.ula import MlaDecoder, make_backend, mla_entry_shape
+    from lanner.engine.ula_mla import MlaDecoder, mla_entry_shape
+    from lanner.kvcache.ula import make_backend
 
     torch.set_num_threads(1)
     init_tp(rank, 2, f"tcp://127.0.0.1:{port}", timeout_s=300)

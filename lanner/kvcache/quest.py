@@ -47,21 +47,27 @@ class QuestSelector:
         v = valid.view(B, P, self.page, 1, 1)
         kmax = k.masked_fill(~v, -math.inf).amax(2)  # [B, P, Hkv, D]
         kmin = k.masked_fill(~v, math.inf).amin(2)
-        H = qp.shape[2]
-        q = qp[:, 0].float().view(B, Hkv, H // Hkv, D)  # query heads grouped by the KV head they read
-        bound = torch.maximum(q[:, None] * kmax[:, :, :, None], q[:, None] * kmin[:, :, :, None])  # [B,P,Hkv,g,D]
-        score = bound.nan_to_num(neginf=-math.inf).sum(dim=(2, 3, 4))  # [B, P]
-        pages_valid = -(-ctx // self.page)
-        score = score.masked_fill(torch.arange(P, device=kp.device)[None, :] >= pages_valid[:, None], -math.inf)
-        score[torch.arange(B), pages_valid - 1] = math.inf  # the query's own page
-        keep = torch.zeros(B, P, dtype=torch.bool, device=kp.device)
-        n = min(self.budget // self.page, P)
-        keep.scatter_(1, score.topk(n, dim=1).indices, True)
-        keep &= torch.arange(P, device=kp.device)[None, :] < pages_valid[:, None]
+        keep = quest_pages(qp, kmax, kmin, ctx, self.page, self.budget)
         mask = keep.repeat_interleave(self.page, dim=1)[:, :L] & valid[:, :L]
         self._mask = mask[:, None, None, :]
         self.selected.append([mask[b].nonzero().flatten().cpu() for b in range(B)])
         return self._mask
+
+
+def quest_pages(qp, kmax, kmin, ctx, page: int, budget: int) -> torch.Tensor:
+    """The page selection. qp: [B, 1, H, D] decode queries; kmax/kmin: [B, P, Hkv, D] float32 per-page key bounds;
+    ctx: [B] context lengths. -> keep [B, P] bool: the `budget // page` best pages, always the query's own."""
+    B, P, Hkv, D = kmax.shape
+    q = qp[:, 0].float().view(B, Hkv, qp.shape[2] // Hkv, D)  # query heads grouped by the KV head they read
+    bound = torch.maximum(q[:, None] * kmax[:, :, :, None], q[:, None] * kmin[:, :, :, None])  # [B,P,Hkv,g,D]
+    score = bound.nan_to_num(neginf=-math.inf).sum(dim=(2, 3, 4))
+    pages_valid = -(-ctx // page)
+    page_ids = torch.arange(P, device=kmax.device)[None, :]
+    score = score.masked_fill(page_ids >= pages_valid[:, None], -math.inf)
+    score[torch.arange(B, device=kmax.device), pages_valid - 1] = math.inf  # the query's own page
+    keep = torch.zeros(B, P, dtype=torch.bool, device=kmax.device)
+    keep.scatter_(1, score.topk(min(budget // page, P), dim=1).indices, True)
+    return keep & (page_ids < pages_valid[:, None])
 
 
 class SparseSession:

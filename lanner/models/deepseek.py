@@ -195,7 +195,7 @@ class DsaStep:
 def gather_selected_latent(latent_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """The one read of the latent KV cache: cache slots [..., K] -> latent entries [..., K, kv_lora_rank + rope].
     Callers pass only slots the indexer selected (per query row, or their union per sequence). A cache object with
-    `read_selected` (lanner.kvcache.ula.MlaDecoder: the latent lives in UlaCache) serves the read itself."""
+    `read_selected` (lanner.engine.ula_mla.MlaDecoder: the latent lives in UlaCache) serves the read itself."""
     if hasattr(latent_cache, "read_selected"):
         return latent_cache.read_selected(slots)
     return latent_cache[slots]
