@@ -1,10 +1,12 @@
 """Tensor-parallel processes: rank 0 (the engine) drives ranks 1..N-1, which only run the model.
 
-Every rank loads its shard and keeps its own KV pool with the same block count; rank 0 schedules. Per step
-rank 0 broadcasts the step (tokens, start positions, block tables, which logits rows, step kind) as one packed
-int64 tensor over the control group, then every rank runs the same ModelRunner.run, so the model's collectives
-line up; only rank 0 uses the logits. Workers are spawned here (torch.multiprocessing, rank 0 = the engine
-process) or started by torchrun (`run_worker`, which the CLI calls on ranks > 0).
+A generic transport: a worker runs a *service*, a module-level function its owner passes to TPGroup (e.g.
+lanner.engine.llm_engine.paged_worker) that loads this rank's shard and returns named handlers. Rank 0's
+`call(name, arg, payload, local)` broadcasts the name's code, an int argument and an int64 payload over the
+control group, then runs its own part `local()`; every worker runs the handler of that name, so the model's
+collectives line up. The transport knows no message but shutdown. Workers are spawned here
+(torch.multiprocessing, rank 0 = the engine process; the service is pickled by reference) or started by torchrun
+(`run_worker`, which the CLI calls on ranks > 0).
 
 Failures: every collective carries tp_timeout_s. A worker that dies closes its sockets, so rank 0's next
 collective fails at once; a worker that hangs makes it time out. Either way rank 0 raises TPError naming the
@@ -19,63 +21,29 @@ import os
 import signal
 import socket
 import time
+import zlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from lanner.distributed import (
-    TPError,
-    all_gather_rows,
-    ctrl_group,
-    destroy_tp,
-    init_tp,
-    split_sizes,
-    tp_rank,
-    tp_size,
-)
+from lanner.distributed import TPError, ctrl_group, destroy_tp, init_tp, tp_rank, tp_size
+from lanner.plugins import register_plugin, registered_plugins
 
 log = logging.getLogger("lanner")
 
-OP_STEP, OP_GATHER_EMBED, OP_SHUTDOWN = 1, 2, 3
-OP_ULA_ADD, OP_ULA_STEP, OP_ULA_CLOSE = 4, 5, 6  # UlaEngine (kv_tier): the decoder's add / step / close
-LOGITS = ("last", "all", "none")
+OP_SHUTDOWN = 0  # the transport's own message; a service's calls are sent as op_code(name)
 HEAD = 3  # op, argument, payload length
 INLINE = 256  # payload ints that ride in the fixed-size first message; a longer payload follows in a second one
 
 
+def op_code(name: str) -> int:
+    """A call's wire code: stable across processes (unlike hash()), never OP_SHUTDOWN."""
+    return zlib.crc32(name.encode()) + 1
+
+
 def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
-
-
-def _kinds():
-    from lanner.plugins import StepKind
-
-    return list(StepKind)
-
-
-# ------------------------------------------------------------------ step encoding
-
-def encode_step(chunks, kind) -> tuple[int, list[int]]:
-    """-> (kind code, payload): per chunk [n_tokens, start, n_blocks, logits mode], then tokens and tables."""
-    payload = [len(chunks)]
-    for c in chunks:
-        payload += (len(c.tokens), c.start, len(c.block_table), LOGITS.index(c.logits))
-    for c in chunks:
-        payload += c.tokens
-        payload += c.block_table
-    return (-1 if kind is None else _kinds().index(kind)), payload
-
-
-def decode_step(code: int, payload: list[int]):
-    from lanner.engine.runner import SeqChunk
-
-    n, chunks, at = payload[0], [], 1 + 4 * payload[0]
-    for i in range(n):
-        n_tok, start, n_blocks, mode = payload[1 + 4 * i : 5 + 4 * i]
-        chunks.append(SeqChunk(payload[at : at + n_tok], start, payload[at + n_tok : at + n_tok + n_blocks],
-                               LOGITS[mode]))
-        at += n_tok + n_blocks
-    return chunks, (None if code < 0 else _kinds()[code])
 
 
 def _recv() -> tuple[int, int, list[int]]:
@@ -96,9 +64,9 @@ class TPGroup:
     """Rank 0's side: starts the workers (or joins torchrun's ranks), sends them each step, turns any failure
     into TPError and shuts them down (`close`, also run at interpreter exit by the engine's finalizer)."""
 
-    def __init__(self, config):
-        from lanner.plugins import registered_plugins
-
+    def __init__(self, config, service: Callable):
+        """service(config, device) -> {name: handler(arg, payload)} runs on every worker (a module-level function:
+        it is pickled by reference)."""
         self.size, self.timeout_s = config.tp, float(config.tp_timeout_s)
         self.procs, self.pipes = [], []  # spawned workers (none under torchrun) and their error pipes
         self.failed: TPError | None = None
@@ -120,7 +88,7 @@ class TPGroup:
             for rank in range(1, self.size):
                 reader, writer = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_worker_main, name=f"lanner-tp{rank}", daemon=True,
-                                args=(rank, self.size, init_method, config, threads, plugins, writer))
+                                args=(rank, self.size, init_method, config, service, threads, plugins, writer))
                 p.start()
                 writer.close()
                 self.procs.append(p)
@@ -141,20 +109,15 @@ class TPGroup:
         for t in msgs:  # async + bounded wait: a receiver that is not there must not hang rank 0
             dist.broadcast(t, 0, group=ctrl_group(), async_op=True).wait(datetime.timedelta(seconds=self.timeout_s))
 
-    def run(self, runner, chunks, kind):
-        """One step on every rank; returns rank 0's logits. Any failure is fatal: the ranks are out of step."""
-        code, payload = encode_step(chunks, kind)
-        return self.call(OP_STEP, code, payload, lambda: runner.run(chunks, kind))
-
-    def call(self, op: int, arg: int, payload: list[int], local):
-        """Sends an op to every worker, then runs rank 0's part `local()` and returns its result. Any failure is
-        fatal: the ranks are out of step."""
+    def call(self, name: str, arg: int, payload: list[int], local):
+        """Has every worker run its handler `name`(arg, payload), then runs rank 0's part `local()` and returns its
+        result. Any failure is fatal: the ranks are out of step."""
         if self.failed is not None:
             raise TPError(str(self.failed))
         try:
             self._check_workers()
             t0 = time.perf_counter()
-            self._send(op, arg, payload)
+            self._send(op_code(name), arg, payload)
             self.send_s += time.perf_counter() - t0
             self.steps += 1
             return local()
@@ -163,14 +126,6 @@ class TPGroup:
             if isinstance(e, KeyboardInterrupt):  # still an interrupt to the caller (the group is gone now)
                 raise
             raise err from e
-
-    def gather_embedding(self, model) -> torch.Tensor:
-        """The full (vocab-gathered) embedding table on rank 0, for rank-0-only draft heads."""
-        try:
-            self._send(OP_GATHER_EMBED)
-            return all_gather_rows(model.embed_tokens.weight, split_sizes(model.cfg.vocab_size, self.size))
-        except BaseException as e:
-            raise self.fail(e) from e
 
     # -------------------------------------------------------------- failures
     def fail(self, exc: BaseException) -> TPError:
@@ -251,26 +206,6 @@ class TPGroup:
         destroy_tp()
 
 
-def _serve_ula(config, model, model_config):
-    """A worker of UlaEngine: the same decoder calls as rank 0, so the model's and the cache's collectives line up."""
-    from lanner.engine.ula_engine import build_decoder
-
-    decoder = build_decoder(config, model, model_config)[0]
-    while True:
-        op, arg, payload = _recv()
-        if op == OP_ULA_ADD:  # arg: request handle; payload: max_len, then the prompt
-            decoder.add(arg, decoder.run_prefill(payload[1:]), payload[0])
-        elif op == OP_ULA_STEP:  # payload: handles, then one token each
-            n = len(payload) // 2
-            decoder.step(payload[:n], payload[n:])
-        elif op == OP_ULA_CLOSE:
-            decoder.close(arg)
-        elif op == OP_SHUTDOWN:
-            return
-        else:
-            raise TPError(f"tensor-parallel rank {tp_rank()}/{tp_size()}: unknown UlaCache message {op}")
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -287,12 +222,12 @@ def _proc_state(pid: int) -> str | None:
 
 # ------------------------------------------------------------------ ranks > 0
 
-def _worker_main(rank, size, init_method, config, threads, plugins, pipe):
+def _worker_main(rank, size, init_method, config, service, threads, plugins, pipe):
     """Entry point of a spawned worker: its error, if any, goes to rank 0 through `pipe` before it exits."""
     torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s lanner-tp{rank}: %(message)s")
     try:
-        run_worker(config, rank, size, init_method, plugins)
+        run_worker(config, service, rank, size, init_method, plugins)
     except BaseException as e:  # rank 0 reports it (it learns of the exit from its next collective)
         try:
             pipe.send(f"{type(e).__name__}: {e}")
@@ -301,14 +236,10 @@ def _worker_main(rank, size, init_method, config, threads, plugins, pipe):
         os._exit(1)
 
 
-def run_worker(config, rank: int | None = None, size: int | None = None, init_method: str = "env://",
-               plugins: dict | None = None):
-    """Serves rank 0's steps until it shuts the group down. Without arguments it takes the rank from torchrun's
-    environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
-    from lanner.engine.llm_engine import kv_blocks, load_target
-    from lanner.engine.runner import ModelRunner
-    from lanner.plugins import Hardware, register_plugin
-
+def run_worker(config, service: Callable, rank: int | None = None, size: int | None = None,
+               init_method: str = "env://", plugins: dict | None = None):
+    """Serves rank 0's calls with `service`'s handlers until rank 0 shuts the group down. Without a rank it takes
+    it from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK)."""
     rank = int(os.environ["RANK"]) if rank is None else rank
     size = int(os.environ["WORLD_SIZE"]) if size is None else size
     for name, cls in (plugins or {}).items():
@@ -320,24 +251,16 @@ def run_worker(config, rank: int | None = None, size: int | None = None, init_me
     init_tp(rank, size, init_method, backend_for(config.device), config.tp_timeout_s)
     try:
         torch.manual_seed(config.seed)
-        hardware = Hardware.detect(device, config.torch_dtype, size, rank)
-        model, model_config, plugin_runtime, plugin_bytes = load_target(config, hardware)
-        if config.kv_tier is not None:
-            return _serve_ula(config, model, model_config)
-        num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype), plugin_bytes)
-        if num_blocks < 2:  # rank 0 raises the error that names the budget
+        handlers = service(config, device)
+        if handlers is None:  # the service could not start (rank 0 raises the error that names why)
             return
-        # no captured layers: only rank 0 feeds a draft head
-        runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype, device, (), plugin_runtime)
+        by_code = {op_code(name): fn for name, fn in handlers.items()}
         while True:
             op, arg, payload = _recv()
-            if op == OP_STEP:
-                runner.run(*decode_step(arg, payload))
-            elif op == OP_GATHER_EMBED:
-                all_gather_rows(model.embed_tokens.weight, split_sizes(model_config.vocab_size, size))
-            elif op == OP_SHUTDOWN:
+            if op == OP_SHUTDOWN:
                 return
-            else:
+            if op not in by_code:
                 raise TPError(f"tensor-parallel rank {tp_rank()}/{tp_size()}: unknown message {op}")
+            by_code[op](arg, payload)
     finally:
         destroy_tp()

@@ -10,24 +10,17 @@ import weakref
 import torch
 
 from lanner.config import EngineConfig
-from lanner.distributed import TPError, agree_min, tp_disabled, tp_rank, tp_size
+from lanner.distributed import TPError, all_gather_rows, split_sizes, tp_disabled, tp_rank, tp_size
 from lanner.distributed.worker import TPGroup
+from lanner.engine.loading import kv_blocks, load_target
 from lanner.engine.request import Request, RequestOutput
-from lanner.engine.runner import ModelRunner, SeqChunk
+from lanner.engine.runner import ModelRunner, SeqChunk, decode_step, encode_step
 from lanner.engine.sampling import SamplingParams, sample
 from lanner.engine.scheduler import QueueFullError, Scheduler
 from lanner.kvcache.block_manager import BlockManager
 from lanner.metrics import EngineMetrics
-from lanner.models.loader import ModelSource, load_config, load_model
-from lanner.plugins import (
-    Hardware,
-    PluginRuntime,
-    PluginVerifyError,
-    StepKind,
-    select_plugins,
-    storage_ptrs,
-    tensor_bytes,
-)
+from lanner.models.loader import ModelSource, load_model
+from lanner.plugins import Hardware, PluginVerifyError, StepKind
 from lanner.spec.draft_head import DraftHead, is_draft_head
 from lanner.spec.drafts import MTP, resolve_draft
 from lanner.spec.mtp import MtpProposer, load_mtp
@@ -46,49 +39,31 @@ class RequestError(ValueError):
         self.param = param
 
 
-def load_target(config: EngineConfig, hardware: Hardware, metrics=None):
-    """What every tensor-parallel rank does alike: choose and check plugins (before any weight loads, so a
-    mismatch costs nothing), load this rank's shard, build the plugins. -> (model, ModelConfig, PluginRuntime or
-    None, bytes the plugins hold)."""
-    source = ModelSource.resolve(config.model)
-    loaded_config = load_config(source)
-    plugins = select_plugins(config.plugin, loaded_config[0], hardware, config.plugin_options)
-    model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config)
-    plugin_bytes = build_plugins(plugins, model, model_config, hardware, metrics)
-    runtime = PluginRuntime(plugins, metrics, config.plugin_verify) if plugins else None
-    return model, model_config, runtime, plugin_bytes
-
-
-def build_plugins(plugins, model, model_config, hardware: Hardware, metrics=None) -> int:
-    """Runs each plugin's build hook; returns the bytes they now hold (taken off the KV budget)."""
-    total, cuda = 0, hardware.kind == "cuda"
-    owned = storage_ptrs(model)
-    for p in plugins:
-        before = torch.cuda.memory_allocated(hardware.device) if cuda else 0
-        p.build(model, model_config, hardware)
-        used = torch.cuda.memory_allocated(hardware.device) - before if cuda else tensor_bytes(p, owned)
-        if metrics is not None:
-            metrics.plugin_build_bytes.labels(p.name).set(used)
-        log.info("plugin %s built: %.1f MiB", p.name, used / 2**20)
-        total += max(0, used)
-    return total
-
-
-def kv_blocks(config: EngineConfig, per_token: int, plugin_bytes: int) -> int:
-    """KV blocks of this rank's budget; under TP the smallest over the ranks, since every rank keeps the same
-    block count (rank 0 hands out the block tables)."""
-    kv_bytes = config.kv_cache_bytes(per_token, already_used=plugin_bytes)
-    return agree_min(kv_bytes // (per_token * config.block_size))
+def paged_worker(config: EngineConfig, device: str) -> dict | None:
+    """A tensor-parallel worker of LLMEngine (lanner.distributed.worker runs it on ranks > 0): its shard, its own
+    KV pool with rank 0's block count, and the handlers for rank 0's calls."""
+    hardware = Hardware.detect(device, config.torch_dtype, tp_size(), tp_rank())
+    model, model_config, plugin_runtime, plugin_bytes = load_target(config, hardware)
+    num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype), plugin_bytes)
+    if num_blocks < 2:  # rank 0 raises the error that names the budget
+        return None
+    # no captured layers: only rank 0 feeds a draft head
+    runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype, device, (), plugin_runtime)
+    return {"step": lambda code, payload: runner.run(*decode_step(code, payload)),
+            "gather_embedding": lambda arg, payload: all_gather_rows(
+                model.embed_tokens.weight, split_sizes(model_config.vocab_size, tp_size()))}
 
 
 class LLMEngine:
+    tp_worker = staticmethod(paged_worker)  # what ranks > 0 run under tensor parallelism
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.failed: TPError | None = None  # set when a tensor-parallel rank failed: the engine refuses work
         if tp_size() > 1:  # module-level TP state: one tensor-parallel engine per process, and no TP=1 beside it
             raise TPError(f"a tensor-parallel engine (tp={tp_size()}) is already running in this process; "
                           "close() it before building another engine")
-        self.tp = TPGroup(config) if config.tp > 1 else None
+        self.tp = TPGroup(config, self.tp_worker) if config.tp > 1 else None
         try:
             self._load(config)
         except BaseException as e:
@@ -148,7 +123,7 @@ class LLMEngine:
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
         elif draft_kind in ("head", "mtp"):
             # the head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
-            embed = self.tp.gather_embedding(self.model) if self.tp is not None else None
+            embed = self._gather_embedding() if self.tp is not None else None
             with tp_disabled():
                 proposer = MtpProposer if draft_kind == "mtp" else DraftHeadProposer
                 self.proposer = proposer(draft_model, self.model, *args, embed_weight=embed)
@@ -158,6 +133,12 @@ class LLMEngine:
         self.kv_summary = (f"{self.num_blocks} KV blocks x {config.block_size} tokens "
                            f"({self.num_blocks * config.block_size * per_token / 2**30:.2f} GiB"
                            + (f" on each of {config.tp} ranks)" if config.tp > 1 else ")"))
+
+    def _gather_embedding(self) -> torch.Tensor:
+        """The full (vocab-gathered) embedding table on rank 0, for rank-0-only draft heads."""
+        w = self.model.embed_tokens.weight
+        return self.tp.call("gather_embedding", 0, [], lambda: all_gather_rows(
+            w, split_sizes(self.model_config.vocab_size, self.config.tp)))
 
     def close(self):
         """Stops the tensor-parallel workers (a no-op at TP=1). The engine is unusable afterwards under TP."""
@@ -300,7 +281,8 @@ class LLMEngine:
                           for it in items]
                 kind = StepKind.PREFILL if any(it.num_tokens > 1 for it in items) else \
                     StepKind.VERIFY if spec else StepKind.DECODE
-                logits = self.runner.run(chunks, kind) if self.tp is None else self.tp.run(self.runner, chunks, kind)
+                logits = self.runner.run(chunks, kind) if self.tp is None else \
+                    self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind))
                 emitted, plain_rows, plain_reqs, row = {}, [], [], 0
                 for it in items:
                     if it.draft and it.request.params.unverified_draft:  # accept all; the target adds one token

@@ -19,6 +19,31 @@ class SeqChunk:
     logits: str = "last"  # "last" | "all" | "none": which rows' logits the caller wants
 
 
+LOGITS = ("last", "all", "none")
+
+
+def encode_step(chunks: list[SeqChunk], kind: StepKind | None) -> tuple[int, list[int]]:
+    """A step as ints for tensor-parallel workers -> (kind code, payload): per chunk [n_tokens, start, n_blocks,
+    logits mode], then tokens and tables."""
+    payload = [len(chunks)]
+    for c in chunks:
+        payload += (len(c.tokens), c.start, len(c.block_table), LOGITS.index(c.logits))
+    for c in chunks:
+        payload += c.tokens
+        payload += c.block_table
+    return (-1 if kind is None else list(StepKind).index(kind)), payload
+
+
+def decode_step(code: int, payload: list[int]) -> tuple[list[SeqChunk], StepKind | None]:
+    n, chunks, at = payload[0], [], 1 + 4 * payload[0]
+    for i in range(n):
+        n_tok, start, n_blocks, mode = payload[1 + 4 * i : 5 + 4 * i]
+        chunks.append(SeqChunk(payload[at : at + n_tok], start, payload[at + n_tok : at + n_tok + n_blocks],
+                               LOGITS[mode]))
+        at += n_tok + n_blocks
+    return chunks, (None if code < 0 else list(StepKind)[code])
+
+
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype, device, capture_layers=(),
                  plugins: PluginRuntime | None = None, role: str = "target"):

@@ -27,20 +27,16 @@ import time
 import torch.distributed as dist
 
 from lanner.config import EngineConfig
-from lanner.distributed import TPError
-from lanner.distributed.worker import OP_ULA_ADD, OP_ULA_CLOSE, OP_ULA_STEP
+from lanner.distributed import TPError, tp_rank, tp_size
 from lanner.engine.llm_engine import LLMEngine, RequestError
+from lanner.engine.loading import load_target
 from lanner.engine.request import Request, RequestOutput, Status
 from lanner.engine.sampling import sample
 from lanner.engine.scheduler import RequestQueue
-from lanner.kvcache.ula import (
-    MlaDecoder,
-    UlaDecoder,
-    entry_shape,
-    make_backend,
-    mla_entry_shape,
-    selection_groups,
-)
+from lanner.engine.ula_dense import UlaDecoder
+from lanner.engine.ula_mla import MlaDecoder, mla_entry_shape, selection_groups
+from lanner.kvcache.ula import entry_shape, make_backend
+from lanner.plugins import Hardware
 
 log = logging.getLogger("lanner.engine")
 
@@ -87,7 +83,24 @@ def build_decoder(config: EngineConfig, model, model_config):
     return UlaDecoder(model, cache, config.sparse_page, budget, config.sparse_group, max_len), groups, budget, how
 
 
+def ula_worker(config: EngineConfig, device: str) -> dict:
+    """A tensor-parallel worker of UlaEngine: the same decoder calls as rank 0, so the model's and the cache's
+    collectives line up."""
+    hardware = Hardware.detect(device, config.torch_dtype, tp_size(), tp_rank())
+    model, model_config = load_target(config, hardware)[:2]
+    decoder = build_decoder(config, model, model_config)[0]
+
+    def step(arg, payload):  # payload: handles, then one token each
+        n = len(payload) // 2
+        decoder.step(payload[:n], payload[n:])
+
+    return {"ula.add": lambda h, payload: decoder.add(h, decoder.run_prefill(payload[1:]), payload[0]),
+            "ula.step": step, "ula.close": lambda h, payload: decoder.close(h)}
+
+
 class UlaEngine(LLMEngine):
+    tp_worker = staticmethod(ula_worker)
+
     def _build_cache(self, config: EngineConfig):
         self.decoder, self.groups, budget, how = build_decoder(config, self.model, self.model_config)
         cache = self.decoder.cache
@@ -104,14 +117,14 @@ class UlaEngine(LLMEngine):
                            f"{cache.shape[0]} layers): {self.capacity} entries{per_rank}, decode steps of "
                            f"up to {self.scheduler.max_batch} requests, {how} {budget}")
 
-    def _on_ranks(self, op: int, arg: int, payload: list[int], local):
+    def _on_ranks(self, name: str, arg: int, payload: list[int], local):
         """local() here, and the same decoder call on every other TP rank first."""
-        return local() if self.tp is None else self.tp.call(op, arg, payload, local)
+        return local() if self.tp is None else self.tp.call(name, arg, payload, local)
 
     def _close(self, req: Request):
         h = self.handles.pop(req.request_id, None)
         if h is not None:
-            self._on_ranks(OP_ULA_CLOSE, h, [], lambda: self.decoder.close(h))
+            self._on_ranks("ula.close", h, [], lambda: self.decoder.close(h))
 
     def _entries(self, tokens: int) -> int:
         return self.groups * tokens
@@ -127,7 +140,7 @@ class UlaEngine(LLMEngine):
         decoding = list(sch.running)
         if decoding:
             handles, tokens = [self.handles[r.request_id] for r in decoding], [r.all_ids[-1] for r in decoding]
-            outputs += self._run(decoding, lambda: self._on_ranks(OP_ULA_STEP, 0, handles + tokens,
+            outputs += self._run(decoding, lambda: self._on_ranks("ula.step", 0, handles + tokens,
                                                                   lambda: self.decoder.step(handles, tokens)))
         if sch.can_admit():
             req = sch.waiting[0]
@@ -154,7 +167,7 @@ class UlaEngine(LLMEngine):
             self.decoder.add(h, pre, max_len)
             return pre.logits[None]
 
-        return self._on_ranks(OP_ULA_ADD, h, [max_len] + list(req.prompt_ids), local)
+        return self._on_ranks("ula.add", h, [max_len] + list(req.prompt_ids), local)
 
     def _run(self, reqs: list[Request], forward) -> list[RequestOutput]:
         """Runs forward() -> logits [len(reqs), V], samples one token per request and emits their outputs; a
