@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 
 def worker(rank, port, folder, out, system, batch):
-    from lanner.bench.kv import _load_tiny, _mla_prompts
+    from lanner.bench.kv_capacity import _load_tiny, _mla_prompts
     from lanner.distributed import destroy_tp, init_tp
     from lanner.engine.ula_mla import MlaDecoder, mla_entry_shape
     from lanner.kvcache.ula import make_backend
