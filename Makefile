@@ -23,8 +23,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@touch $@
 
 run: setup
-	@# low-latency mode: the lowlat kernel plugin where it fits (compiled once, ~1 min), else the plain forward
-	$(VENV)/bin/lanner serve --host $(HOST) --port $(PORT) --plugin auto
+	@# low-latency mode by default (--plugin auto): the lowlat kernel plugin where it fits (compiled once, ~1 min)
+	$(VENV)/bin/lanner serve --host $(HOST) --port $(PORT)
 
 test: setup
 	$(PY) -m pytest -q

@@ -105,9 +105,10 @@ def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
         g.add_argument("--" + name.replace("_", "-"), type=type(_ENGINE_DEFAULTS[name]),
                        default=_ENGINE_DEFAULTS[name], help=help_text)
     g = p.add_argument_group("kernel plugins")
-    g.add_argument("--plugin", "--plugins", dest="plugin", default=None,
-                   help="NAME[,NAME]: use these plugins and stop if one does not fit; 'auto': use every installed "
-                        "plugin that fits, skip the rest; default: none ('lanner plugins list' shows them)")
+    g.add_argument("--plugin", "--plugins", dest="plugin", default=_ENGINE_DEFAULTS["plugin"],
+                   help="'auto' (default): use every installed plugin that fits, skip the rest; NAME[,NAME]: use "
+                        "these and stop if one does not fit; 'none': the engine's own forward ('lanner plugins "
+                        "list' shows them)")
     g.add_argument("--plugin-option", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="an option for a plugin (VALUE is parsed as JSON when it can be); repeatable")
     g.add_argument("--plugin-verify", type=int, default=0, metavar="N",

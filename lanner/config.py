@@ -39,10 +39,10 @@ class EngineConfig:
     spec_max_batch: int = 4
     ngram_min: int = 1
     ngram_max: int = 4
-    # kernel plugins (lanner.plugins): None/"none", "auto" (use what fits, skip the rest) or "name[,name]" (each
-    # must fit or the engine stops); options per plugin name; verify: run both paths for the first N steps of each
-    # kind and raise on mismatch
-    plugin: str | None = None
+    # kernel plugins (lanner.plugins): "auto" (the default: use what fits, skip the rest; e.g. lowlat on a CPU),
+    # None/"none", or "name[,name]" (each must fit or the engine stops); options per plugin name; verify: run both
+    # paths for the first N steps of each kind and raise on mismatch
+    plugin: str | None = "auto"
     plugin_options: dict | None = None
     plugin_verify: int = 0
     # tensor parallelism: tp processes, each holding a shard of every layer (rank 0 is this process; Lanner
@@ -125,8 +125,9 @@ class EngineConfig:
             raise ValueError("kv_tier: ula-tp spreads the KV over tensor-parallel ranks; it needs tp >= 2")
         if self.kv_tier == "ula-dp" and self.tp != 1:
             raise ValueError("kv_tier: ula-dp is one engine per device (data parallel); use ula-tp with tp > 1")
-        if self.plugin not in (None, "", "none"):
-            raise ValueError("kv_tier: kernel plugins do not cover sparse decoding; drop --plugin")
+        if self.plugin not in (None, "", "none", "auto"):
+            raise ValueError(f"plugin: {self.plugin!r} does not cover sparse decoding over kv_tier={self.kv_tier!r}; "
+                             "drop one of them")
         if self.spec not in (None, "none", "auto"):
             raise ValueError("kv_tier: speculative decoding does not run over UlaCache; drop --spec")
         self.spec = None

@@ -20,7 +20,9 @@ def load_target(config: EngineConfig, hardware: Hardware, metrics=None):
     None, bytes the plugins hold)."""
     source = ModelSource.resolve(config.model)
     loaded_config = load_config(source)
-    plugins = select_plugins(config.plugin, loaded_config[0], hardware, config.plugin_options)
+    # UlaCache's decoders run the model's own forward: no plugin covers them ("auto" then picks none)
+    choice = config.plugin if config.kv_tier is None else None
+    plugins = select_plugins(choice, loaded_config[0], hardware, config.plugin_options)
     model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config)
     plugin_bytes = build_plugins(plugins, model, model_config, hardware, metrics)
     runtime = PluginRuntime(plugins, metrics, config.plugin_verify) if plugins else None
