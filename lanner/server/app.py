@@ -61,6 +61,7 @@ from lanner.server.http import (
     RETRY_AFTER_S,
     APIError,
     ApiKeyMiddleware,
+    BodyLimitMiddleware,
     GracefulServer,
     error_json,
     install_openapi,
@@ -150,9 +151,9 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
 
 def build_app(engine: AsyncEngine, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    # max_body_size: FastAPI answers 413 through the HTTPException handler below, before reading the rest
-    app = FastAPI(title="lanner", docs_url="/docs", redoc_url=None, max_body_size=max_body_bytes)
+    app = FastAPI(title="lanner", docs_url="/docs", redoc_url=None)
     app.state.engine = engine
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     tokens = _TokenText(engine.engine.tokenizer)

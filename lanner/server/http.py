@@ -10,6 +10,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from lanner.server.protocol import ErrorInfo, ErrorResponse
 
@@ -47,13 +48,13 @@ def param_from_loc(loc) -> str | None:
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:
-    """pydantic errors -> (message, param) for the first failing field. A union field fails once per member
-    ("a valid string", "a valid list"); when one member had the right type and failed on its value, only that
-    member's complaint is reported."""
-    param = param_from_loc(errors[0].get("loc", ()))
-    mine = [e for e in errors if param_from_loc(e.get("loc", ())) == param]
-    valued = [e for e in mine if not e.get("type", "").endswith("_type")]
-    msgs = dict.fromkeys(e.get("msg", "").removeprefix("Value error, ") for e in valued or mine)
+    """pydantic errors -> (message, param) for one failing field. A union field fails once per member
+    ("a valid string", "a valid list"); when a member had the right type and failed on its value, that
+    complaint is the one reported."""
+    valued = [e for e in errors if not e.get("type", "").endswith("_type")]
+    param = param_from_loc((valued or errors)[0].get("loc", ()))
+    mine = [e for e in valued or errors if param_from_loc(e.get("loc", ())) == param]
+    msgs = dict.fromkeys(e.get("msg", "").removeprefix("Value error, ") for e in mine)
     return f"{param or 'body'}: {'; or '.join(msgs)}", param
 
 
@@ -74,6 +75,38 @@ class ApiKeyMiddleware:
                 await error_json(401, msg, code="invalid_api_key")(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `limit` bytes: at once when Content-Length says so, else as soon as the chunks
+    read pass it (the HTTPException reaches the app's handler, which writes the OpenAI-style body)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    def _too_large(self) -> HTTPException:
+        return HTTPException(413, f"request body too large: the limit is {self.limit} bytes (--max-body-size)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            e = self._too_large()
+            await error_json(413, e.detail)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise self._too_large()
+            return message
+
+        await self.app(scope, limited_receive, send)
 
 
 # ---------------------------------------------------------------------------------------------- OpenAPI
