@@ -341,17 +341,21 @@ def test_shutdown_is_bounded_and_ends_streams_cleanly(srv):
 
 
 # ---------------------------------------------------------------------------------------------- Schemathesis
+# all but positive_data_acceptance: a schema-valid request can still exceed the context, name another model,
+# or carry text the template refuses, and those are 400 / 404 by design
 FUZZ_CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_headers_conformance,"
-               "response_schema_conformance,negative_data_rejection")
+               "response_schema_conformance,negative_data_rejection,unsupported_method,allow_header_conformance,"
+               "missing_required_header")
 
 
 def test_schemathesis_finds_no_5xx_and_no_conformance_failures(srv, monkeypatch):
-    # a short context bounds what an accepted fuzz case can generate, so the run fits the CI budget
-    monkeypatch.setattr(srv.engine.engine, "max_model_len", 48)
+    # a short context bounds what an accepted fuzz case can generate (the chat template alone is ~31 tokens),
+    # so the run fits the CI budget; --max-time bounds the three phases together
+    monkeypatch.setattr(srv.engine.engine, "max_model_len", 40)
     cmd = [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()", "run",
            srv.base + "/openapi.json", "--phases", "examples,coverage,fuzzing", "--checks", FUZZ_CHECKS,
-           "--max-examples", "15", "--max-time", "60", "--seed", "21", "--workers", "2", "--no-color",
+           "--max-examples", "10", "--max-time", "75", "--seed", "21", "--workers", "1", "--no-color",
            "--generation-database", "none", "--request-timeout", "60"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
-    assert "passed" in done.stdout.lower()
+    assert "passed" in done.stdout and "Fuzzing" in done.stdout

@@ -118,6 +118,12 @@ _ERRORS = {400: "Invalid request: the error's `param` names the field",
            503: "Queue full (code `engine_overloaded`), engine down or shutting down; carries Retry-After"}
 
 
+# OpenAPI 3.1 reads a text/event-stream schema as the schema of each event
+_SSE_EVENT = {"type": "object", "required": ["data"], "description": "with `stream: true`: one event per chunk",
+              "properties": {"data": {"type": "string", "description": "a JSON chunk; the last event is [DONE]"},
+                             "event": {"type": "string"}}}
+
+
 def install_openapi(app: FastAPI, error_routes: dict[str, tuple[int, ...]]):
     """Makes /openapi.json say what the server does: 400 (never 422) for invalid bodies, the other error
     statuses each route can answer with their OpenAI-style body, and SSE as a second 200 content type for
@@ -141,8 +147,7 @@ def install_openapi(app: FastAPI, error_routes: dict[str, tuple[int, ...]]):
                     op["responses"]["503"]["headers"] = {"Retry-After": {"schema": {"type": "integer"},
                                                                          "description": "seconds"}}
                 if path in ("/v1/chat/completions", "/v1/completions"):
-                    op["responses"]["200"]["content"]["text/event-stream"] = {
-                        "schema": {"type": "string", "description": "SSE chunks when `stream` is true"}}
+                    op["responses"]["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
         app.openapi_schema = spec
         return spec
 
