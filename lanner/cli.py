@@ -13,6 +13,7 @@ import os
 import sys
 
 from lanner.config import DTYPES, KV_TIERS, EngineConfig
+from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 
 SUBCOMMANDS = []
 
@@ -240,6 +241,11 @@ def add_serve(sub):
                    help="require 'Authorization: Bearer KEY' (default: $LANNER_API_KEY; unset: no auth)")
     p.add_argument("--served-model-name", default=None, help="model name reported by the API")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help="largest request body accepted; bigger ones get 413 (default: %(default)s)")
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="SECONDS",
+                   help="on SIGTERM, how long requests in flight may run before they are aborted "
+                        "(default: %(default)s)")
     add_engine_args(p)
     p.set_defaults(run=run_serve)
 
@@ -248,7 +254,8 @@ def run_serve(args):
     from lanner.server.app import run_server
 
     config = EngineConfig(**engine_kwargs(args), served_model_name=args.served_model_name)
-    run_server(config, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level)
+    run_server(config, host=args.host, port=args.port, api_key=args.api_key, log_level=args.log_level,
+               max_body_bytes=args.max_body_size, shutdown_grace_s=args.shutdown_grace)
 
 
 # ------------------------------------------------------------------ generate

@@ -3,8 +3,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 
 from lanner.models.loader import ModelSource, load_tokenizer
+
+# message fields whose values steer the template's branches rather than being text it prints
+_STRUCTURAL_KEYS = frozenset({"role", "type"})
 
 
 class Tokenizer:
@@ -21,16 +26,49 @@ class Tokenizer:
         self.vocab_size = len(self.hf)
 
     def encode(self, text: str) -> list[int]:
+        """A raw prompt: special-token strings in it ARE parsed as special tokens (as vLLM and HF do)."""
         return self.hf.encode(text, add_special_tokens=True)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Untrusted text: special-token strings in it stay plain text."""
+        return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not self.hf.chat_template:
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
+                            **template_kwargs) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template (or `chat_template`), plus the
+        generation prompt. Only the template's own text may hold special tokens: every string a message carries
+        (content, name, ...; not role or type) is tokenized as plain text, so a user who types "<|im_end|>"
+        cannot forge turns. The template is rendered with a random placeholder per string, then the pieces
+        between placeholders are tokenized with special tokens and the strings without."""
+        template = chat_template or self.hf.chat_template
+        if not template:
             raise ValueError("this model's tokenizer has no chat template; use the completions API")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if hasattr(out, "keys") else out)
+        nonce = secrets.token_hex(8)
+        texts: list[str] = []
+
+        def hide(value, key=None):
+            if isinstance(value, str) and key not in _STRUCTURAL_KEYS:
+                texts.append(value)
+                return f"LANNER{nonce}T{len(texts) - 1}E"
+            if isinstance(value, dict):
+                return {k: hide(v, k) for k, v in value.items()}
+            if isinstance(value, list):
+                return [hide(v) for v in value]
+            return value
+
+        rendered = self.hf.apply_chat_template(hide(messages), chat_template=template, add_generation_prompt=True,
+                                               tokenize=False, **template_kwargs)
+        ids: list[int] = []
+        # re.split with one group alternates: template text, placeholder index, template text, ...
+        for i, piece in enumerate(re.split(f"LANNER{nonce}T(\\d+)E", rendered)):
+            if i % 2:
+                ids += self.encode_text(texts[int(piece)])
+            elif piece:
+                ids += self.hf.encode(piece, add_special_tokens=False)
+        return ids
 
 
 class IncrementalDetokenizer:

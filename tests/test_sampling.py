@@ -50,3 +50,22 @@ def test_penalties_exact_values():
     assert torch.allclose(out, torch.tensor([1.0, -4.0, 1.0, 0.5]))
     out = apply_penalties(logits.clone(), SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), [3], [2, 2, 0])
     assert torch.allclose(out, torch.tensor([2.0 - 0.75, -2.0, 1.0 - 1.0, 0.5]))
+
+
+def test_logit_bias_and_python_api_bounds():
+    import pytest
+
+    from lanner.engine.request import Request
+    from lanner.engine.sampling import sample
+
+    def pick(params):
+        return sample(torch.tensor([[3.0, 2.0, 1.0, 0.0]]), [Request("r", [0], params, None, 4, [])]).token_ids
+
+    assert pick(SamplingParams(temperature=0, logit_bias={3: 100})) == [3]  # +100 forces a token
+    assert pick(SamplingParams(temperature=0, logit_bias={0: -100})) == [1]  # -100 bans one
+    assert pick(SamplingParams(temperature=0.5, seed=1, logit_bias={0: -100, 1: -100, 2: -100})) == [3]
+    for bad in ({"seed": 2**64}, {"seed": -(2**63) - 1}, {"temperature": float("nan")},
+                {"repetition_penalty": float("inf")}, {"logit_bias": {1: 101}}, {"logit_bias": {-1: 1}}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1

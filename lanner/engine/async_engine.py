@@ -34,8 +34,10 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._cv = threading.Condition()
-        self._inbox: deque[tuple] = deque()  # ("add", Request, loop, queue) | ("abort", request_id)
+        # ("add", Request, loop, queue) | ("abort", request_id) | ("abort_all",)
+        self._inbox: deque[tuple] = deque()
         self._stop = False
+        self._refusing = False  # set by abort_all(refuse_new=True)
         # request_id -> (loop, queue); touched only by the loop thread
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread = threading.Thread(target=self._run, name="lanner-engine", daemon=True)
@@ -68,9 +70,13 @@ class AsyncEngine:
         `break`, only when the event loop finalizes the abandoned generator, so call aclose() there."""
         if self.error is not None:
             raise EngineDeadError(self.error)
-        # validation and tokenization happen here, before anything is queued; a uuid id cannot collide
-        req = self.engine.make_request(prompt, params, request_id or f"req-{uuid.uuid4().hex}", prompt_ids)
+        # validation and tokenization happen here, before anything is queued, on a worker thread: a long prompt
+        # must not stall the event loop (the fast tokenizer releases the GIL); a uuid id cannot collide
+        req = await asyncio.to_thread(self.engine.make_request, prompt, params,
+                                      request_id or f"req-{uuid.uuid4().hex}", prompt_ids)
         queue: asyncio.Queue = asyncio.Queue()
+        if self._refusing:
+            raise EngineDeadError("the server is shutting down")
         if not self._send(("add", req, asyncio.get_running_loop(), queue)):
             raise EngineDeadError("the engine loop is not running")
         done = False
@@ -91,6 +97,12 @@ class AsyncEngine:
     def abort(self, request_id: str):
         """Aborts on the engine thread (which frees its KV blocks); a no-op for unknown or finished ids."""
         self._send(("abort", request_id))
+
+    def abort_all(self, refuse_new: bool = False):
+        """Aborts every request in flight; each stream gets its final output (finish_reason "abort").
+        refuse_new: requests submitted from now on fail with EngineDeadError (a server shutting down)."""
+        self._refusing = self._refusing or refuse_new
+        self._send(("abort_all",))
 
     def shutdown(self, timeout: float = 10.0):
         with self._cv:
@@ -156,10 +168,11 @@ class AsyncEngine:
                     e = EngineOverloadedError(str(e), e.param)
                 self._put(loop, queue, e)
         else:
-            out = self.engine.abort(cmd[1])
-            if out is not None:
-                self._deliver(out)
-            self._streams.pop(cmd[1], None)
+            for rid in list(self._streams) if cmd[0] == "abort_all" else [cmd[1]]:
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self._deliver(out)
+                self._streams.pop(rid, None)
 
     def _step(self):
         try:

@@ -177,7 +177,7 @@ class LLMEngine:
                        self.max_model_len - req.num_tokens - 1)
         if self.proposer is None or batch_size > self.config.spec_max_batch or not p.speculative:
             return 0
-        if p.has_penalties or p.logprobs is not None:  # both depend on each emitted token: verify one at a time
+        if p.has_penalties or p.logprobs is not None or p.logit_bias:  # the verifier applies none of them
             return 0
         return min(self.config.spec_tokens, req.max_tokens - len(req.output_ids) - 1,
                    self.max_model_len - req.num_tokens - 1)
@@ -201,6 +201,8 @@ class LLMEngine:
             raise RequestError("prompt is empty", "prompt")
         if not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt_ids):
             raise RequestError(f"prompt token ids must be integers in [0, {self.model_config.vocab_size})", "prompt")
+        if params.logit_bias and max(params.logit_bias) >= self.model_config.vocab_size:
+            raise RequestError(f"logit_bias: token ids must be in [0, {self.model_config.vocab_size})", "logit_bias")
         n = len(prompt_ids)
         if n >= self.max_model_len:
             raise RequestError(f"prompt is {n} tokens; this model's context is {self.max_model_len} tokens "

@@ -6,6 +6,7 @@ whatever else is in the batch.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     seed: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before anything else
     max_tokens: int | None = 256  # None: until the context is full
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -69,8 +71,15 @@ class SamplingParams:
             bad("unverified_draft", f"must be an integer in 0..8, got {self.unverified_draft!r}")
         if self.unverified_draft and self.temperature != 0:
             bad("unverified_draft", "needs greedy decoding (temperature 0)")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63):
+            bad("seed", f"must be a 64-bit signed integer, got {self.seed!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, f"must be finite, got {getattr(self, name)!r}")
+        if self.logit_bias is not None and not all(
+                isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
+                for t, b in self.logit_bias.items()):
+            bad("logit_bias", "must map non-negative token ids to values in [-100, 100]")
 
     @property
     def greedy(self) -> bool:
@@ -143,9 +152,12 @@ def sample(logits: torch.Tensor, requests) -> SampleResult:
     params_list = [r.params for r in requests]
     want_logprobs = [p.logprobs is not None for p in params_list]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
-    if any(p.has_penalties for p in params_list):
+    if any(p.has_penalties or p.logit_bias for p in params_list):
         logits = logits.clone()
         for i, r in enumerate(requests):
+            if r.params.logit_bias:
+                bias = r.params.logit_bias
+                logits[i, list(bias)] += torch.tensor(list(bias.values()), device=logits.device)
             if r.params.has_penalties:
                 apply_penalties(logits[i], r.params, r.prompt_ids, r.output_ids)
     tokens = logits.argmax(-1)

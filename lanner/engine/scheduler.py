@@ -45,7 +45,10 @@ class RequestQueue:
         self.num_preemptions = 0
 
     def add(self, req: Request):
-        if len(self.waiting) >= self.max_queue_len:
+        # the queue is what waits after admission: requests that the next step will admit into free running
+        # slots do not count, so a burst of max_num_seqs + max_queue_len requests all get in
+        queued = len(self.waiting) - max(0, self.max_num_seqs - len(self.running))
+        if queued >= self.max_queue_len:
             raise QueueFullError(f"the request queue is full ({self.max_queue_len} waiting); retry later")
         self.waiting.append(req)
 

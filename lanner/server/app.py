@@ -1,9 +1,11 @@
 """OpenAI-compatible HTTP server over an AsyncEngine.
 
 Status codes: 400 for requests the engine refuses (the body's `param` names the field), 401 for a missing or
-wrong API key (/v1 routes only), 500 when a request fails inside the engine, 503 when the waiting queue is
-full (type "server_error", code "engine_overloaded": the official clients retry it) or the engine loop is
-down. Streams always end with a usage chunk (empty `choices`) and `data: [DONE]`.
+wrong API key (/v1 routes only), 404 for an unknown model (code "model_not_found"), 413 for a body over the
+size limit, 500 when a request fails inside the engine, 503 (with Retry-After) when the waiting queue is full
+(type "server_error", code "engine_overloaded": the official clients retry it), the engine loop is down or the
+server is shutting down. Streams always end with a usage chunk (empty `choices`) and `data: [DONE]`.
+Tokenizing and detokenizing never run on the event loop (worker threads and the engine thread do them).
 """
 from __future__ import annotations
 
@@ -12,8 +14,6 @@ import contextlib
 import functools
 import json
 import logging
-import re
-import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from lanner.config import EngineConfig
@@ -48,6 +48,7 @@ from lanner.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
+    LEGACY_MAX_TOKENS,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -55,51 +56,21 @@ from lanner.server.protocol import (
     TopLogprob,
     Usage,
 )
+from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
+from lanner.server.http import (
+    RETRY_AFTER_S,
+    APIError,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    GracefulServer,
+    error_json,
+    install_openapi,
+    validation_message,
+)
 
 log = logging.getLogger("lanner.server")
 
 _DISCONNECT_POLL_S = 0.25  # how often a waiting non-streaming handler checks whether its client left
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union-member loc entries
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
-                 code: str | int | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
-
-
-def _error_json(status: int, message: str, param=None, type="invalid_request_error", code=None) -> JSONResponse:
-    body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-def _param_from_loc(loc) -> str | None:
-    """("body", "messages", 0, "content", "list[TextPart]", 0, "text") -> "messages[0].content[0].text"."""
-    out = ""
-    for part in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif re.fullmatch(r"[a-z_][a-z0-9_]*", part) and part not in _TYPE_TAGS:
-            out += f".{part}" if out else part
-    return out or None
-
-
-class _ApiKeyMiddleware:
-    """Plain ASGI (not BaseHTTPMiddleware, which interferes with streaming and disconnect detection); runs
-    before body parsing, so an unauthenticated request never reaches validation."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expected):
-                msg = "missing API key" if not got else "incorrect API key"
-                await _error_json(401, msg, code="invalid_api_key")(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _TokenText:
@@ -178,52 +149,55 @@ async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
     return out
 
 
-def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="lanner", docs_url=None, redoc_url=None)
+def build_app(engine: AsyncEngine, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="lanner", docs_url="/docs", redoc_url=None)
     app.state.engine = engine
+    app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if api_key:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     tokens = _TokenText(engine.engine.tokenizer)
+    v1_errors = (400, 401, 404, 413, 503) if api_key else (400, 404, 413, 503)
+    install_openapi(app, {"/v1/chat/completions": v1_errors, "/v1/completions": v1_errors,
+                          "/v1/models": v1_errors[1:2] if api_key else (), "/health": (503,)})
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        return _error_json(e.status, e.message, e.param, e.type, e.code)
+        return error_json(e.status, e.message, e.param, e.type, e.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, e: RequestValidationError):
         errors = e.errors()
         if errors[0].get("type") == "json_invalid":
-            return _error_json(400, f"malformed JSON body: {errors[0].get('msg')}")
-        param = _param_from_loc(errors[0].get("loc", ()))
-        # a union field fails once per member ("a valid string", "a valid list"): report them together
-        msgs = dict.fromkeys(err.get("msg") for err in errors if _param_from_loc(err.get("loc", ())) == param)
-        return _error_json(400, f"{param or 'body'}: {'; or '.join(msgs)}", param)
+            return error_json(400, f"malformed JSON body: {errors[0].get('msg')}")
+        return error_json(400, *validation_message(errors))
 
     @app.exception_handler(HTTPException)
     async def _http_error(_, e: HTTPException):
-        return _error_json(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500
-                           else "server_error")
+        # e.headers: Allow on a 405
+        return error_json(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500
+                          else "server_error", headers=e.headers)
 
     @app.exception_handler(Exception)
     async def _internal_error(_, e: Exception):
         log.exception("unhandled error")
-        return _error_json(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+        return error_json(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
 
     # ------------------------------------------------------------------ shared request handling
     def check_common(body):
         if body.model and body.model != engine.model_name:
-            raise APIError(400, f"model {body.model!r} is not served here; this server serves "
+            raise APIError(404, f"model {body.model!r} is not served here; this server serves "
                                 f"{engine.model_name!r}", "model", code="model_not_found")
-        if body.n != 1:
-            raise APIError(400, "n: only n=1 is supported", "n")
-        if body.echo if isinstance(body, CompletionRequest) else False:
-            raise APIError(400, "echo: not supported", "echo")
+        if (field := body.unsupported_field()) is not None:
+            raise APIError(400, f"{field}: not supported by this server", field, code="unsupported_parameter")
 
     def sampling_params(body, max_tokens, max_tokens_field: str, logprobs, logprobs_field: str):
         kw = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                                                      "frequency_penalty", "repetition_penalty", "seed")
               if getattr(body, name) is not None}
+        if body.logit_bias:
+            kw["logit_bias"] = {int(t): b for t, b in body.logit_bias.items()}
         try:
             return SamplingParams(max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
@@ -312,9 +286,12 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
         error = engine.error
         if error is None:
             return {"status": "ok"}
-        return JSONResponse({"status": "unhealthy", "error": error}, status_code=503)
+        return JSONResponse({"status": "unhealthy", "error": error}, status_code=503,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def metrics():
         return Response(engine.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -332,9 +309,10 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
                              if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
         params = sampling_params(body, max_tokens, field, (body.top_logprobs or 0) if body.logprobs else None,
                                  "top_logprobs")
-        try:
-            prompt_ids = engine.engine.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in body.messages])
+        try:  # off the event loop: a long conversation takes a while to tokenize
+            prompt_ids = await asyncio.to_thread(engine.engine.tokenizer.apply_chat_template,
+                                                 [{"role": m.template_role(), "content": m.text()}
+                                                  for m in body.messages])
         except Exception as e:  # noqa: BLE001 - no template, or the template itself rejects the conversation
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -382,7 +360,8 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
             prompt = prompt[0]
         elif isinstance(prompt, list):
             prompt, prompt_ids = None, prompt
-        params = sampling_params(body, body.max_tokens, "max_tokens", body.logprobs, "logprobs")
+        max_tokens = LEGACY_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        params = sampling_params(body, max_tokens, "max_tokens", body.logprobs, "logprobs")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         started = await start(request, params, prompt, prompt_ids, rid, "prompt")
         if started is None:
@@ -430,11 +409,14 @@ def _streaming(events) -> StreamingResponse:
 
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               log_level: str = "info"):
+               log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S):
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = AsyncEngine(make_engine(config))
     try:
-        uvicorn.run(build_app(engine, api_key), host=host, port=port, log_level=log_level)
+        app = build_app(engine, api_key, max_body_bytes)
+        GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level), engine,
+                       shutdown_grace_s).run()
     finally:
         engine.shutdown()
         engine.engine.close()  # stops tensor-parallel workers
