@@ -26,10 +26,14 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if not self.hf.chat_template:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            chat_template: str | None = None) -> list[int]:
+        """chat_template: one to use instead of the model's (lanner.tool_calls' for tools)."""
+        template = chat_template or self.hf.chat_template
+        if not template:
             raise ValueError("this model's tokenizer has no chat template; use the completions API")
-        out = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = self.hf.apply_chat_template(messages, tools=tools, chat_template=template, add_generation_prompt=True,
+                                          tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
