@@ -22,6 +22,14 @@ import torch
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+class FieldError(ValueError):
+    """Bad input: `param` names the request field (as the OpenAI API spells it), the message starts with it."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.param = message.split(":", 1)[0]
+
+
 # Hermes / Qwen2.5 tool-call format: the arguments object sits inside {"name": ..., "arguments": ...}
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -41,22 +49,22 @@ class StructuredOutput:
         self.validate()
 
     def validate(self):
-        """Raises ValueError "field: why" (field as the OpenAI API names it)."""
+        """Raises FieldError."""
         if sum([self.json_schema is not None, self.json_object, bool(self.tools)]) != 1:
-            raise ValueError("structured: give exactly one of json_schema, json_object or tools")
+            raise FieldError("structured: give exactly one of json_schema, json_object or tools")
         if self.json_schema is not None:
             check_schema(self.json_schema, "response_format.json_schema.schema")
         names = []
         for i, tool in enumerate(self.tools):
             fn = tool.get("function") if isinstance(tool, dict) else None
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-                raise ValueError(f"tools[{i}].function: needs a non-empty string name")
+                raise FieldError(f"tools[{i}].function: needs a non-empty string name")
             check_schema(fn.get("parameters", {"type": "object"}), f"tools[{i}].function.parameters")
             names.append(fn["name"])
         if self.tool_choice not in ("auto", "required"):
             name = self.tool_choice.removeprefix("function:")
             if not self.tool_choice.startswith("function:") or name not in names:
-                raise ValueError(f"tool_choice: no tool named {name!r}; the tools are {names}")
+                raise FieldError(f"tool_choice: no tool named {name!r}; the tools are {names}")
 
     def key(self) -> str:
         """Canonical JSON: equal constraints share one compiled grammar."""
@@ -77,9 +85,10 @@ class StructuredOutput:
         tools = self.tools
         if self.tool_choice.startswith("function:"):
             tools = [t for t in tools if t["function"]["name"] == self.tool_choice.removeprefix("function:")]
-        # at most one whitespace in a row: a small model would otherwise pad the arguments with newlines
+        # bounded whitespace runs: room for pretty-printed nesting, none for the endless padding a small model can fall
+        # into; the tightest bound (1) pushed the bundled model off its "{\n    \"key\"" habit into garbage
         tags = [TagFormat(begin=f'{TOOL_CALL_OPEN}\n{{"name": "{t["function"]["name"]}", "arguments": ',
-                          content=JSONSchemaFormat(json_schema=_parameters(t), max_whitespace_cnt=1),
+                          content=JSONSchemaFormat(json_schema=_parameters(t), max_whitespace_cnt=12),
                           end=f"}}\n{TOOL_CALL_CLOSE}")
                 for t in tools]
         one = not self.parallel_tool_calls
@@ -95,16 +104,16 @@ def _parameters(tool: dict) -> dict:
 
 
 def check_schema(schema, where: str):
-    """A JSON Schema (draft 2020-12) or ValueError naming `where`."""
+    """A JSON Schema (draft 2020-12) or FieldError naming `where`."""
     import jsonschema
 
     if not isinstance(schema, dict):
-        raise ValueError(f"{where}: must be a JSON Schema object, got {type(schema).__name__}")
+        raise FieldError(f"{where}: must be a JSON Schema object, got {type(schema).__name__}")
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:
         path = "".join(f"[{p!r}]" if isinstance(p, str) else f"[{p}]" for p in e.path)
-        raise ValueError(f"{where}: not a valid JSON Schema: {e.message}" + (f" (at {path})" if path else "")) \
+        raise FieldError(f"{where}: not a valid JSON Schema: {e.message}" + (f" (at {path})" if path else "")) \
             from None
 
 
@@ -142,7 +151,7 @@ class Grammars:
                 compiled = self.compiler.compile_structural_tag(so.structural_tag())
         except Exception as e:  # noqa: BLE001 - xgrammar's errors for schemas it cannot express
             where = "response_format" if not so.tools else "tools"
-            raise ValueError(f"{where}: the grammar engine cannot compile it: {e}") from None
+            raise FieldError(f"{where}: the grammar engine cannot compile it: {e}") from None
         self.cache[key] = compiled
         if len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)

@@ -7,10 +7,9 @@ back as `<tool_response>` blocks in a user turn, as Qwen2.5 and SmolLM2-1.7B do.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
-from lanner.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, StructuredOutput
+from lanner.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, FieldError, StructuredOutput
 
 # ChatML with a tool section (Qwen2.5's layout). Used for models whose own template cannot render tools.
 TOOL_CHAT_TEMPLATE = """\
@@ -46,8 +45,6 @@ TOOL_CHAT_TEMPLATE = """\
 {%- endfor %}
 {%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"""
 
-_CALL_RE = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
-
 
 def template_for(model_template: str | None, messages: list[dict], tools: list[dict] | None) -> str | None:
     """The template to render this conversation with: None (the model's own) unless tools or tool turns are
@@ -59,22 +56,22 @@ def template_for(model_template: str | None, messages: list[dict], tools: list[d
 
 
 def check_history(messages: list[dict]):
-    """Every tool message answers a call an earlier assistant message made; raises ValueError "field: why"."""
+    """Every tool message answers a call an earlier assistant message made; raises FieldError."""
     call_ids: set[str] = set()
     for i, m in enumerate(messages):
         for j, call in enumerate(m.get("tool_calls") or []):
             fn = call.get("function") or {}
             if not isinstance(fn.get("name"), str):
-                raise ValueError(f"messages[{i}].tool_calls[{j}].function.name: missing")
+                raise FieldError(f"messages[{i}].tool_calls[{j}].function.name: missing")
             args = fn.get("arguments")
             if isinstance(args, str):
                 try:
                     json.loads(args)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments: not JSON: {e}") from None
+                    raise FieldError(f"messages[{i}].tool_calls[{j}].function.arguments: not JSON: {e}") from None
             call_ids.add(call.get("id"))
         if m.get("role") == "tool" and m.get("tool_call_id") not in call_ids:
-            raise ValueError(f"messages[{i}].tool_call_id: {m.get('tool_call_id')!r} matches no tool call of an "
+            raise FieldError(f"messages[{i}].tool_call_id: {m.get('tool_call_id')!r} matches no tool call of an "
                              "earlier assistant message")
 
 
@@ -82,26 +79,26 @@ def structured_output(tools: list[dict] | None = None, tool_choice: str | dict |
                       parallel_tool_calls: bool | None = None,
                       response_format: dict | None = None) -> StructuredOutput | None:
     """OpenAI request fields -> the constraint (None: free text). tool_choice "none" leaves the output free.
-    Raises ValueError "field: why"."""
+    Raises FieldError."""
     tools = tools or []
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
         if choice.get("type") != "function" or not isinstance(name, str):
-            raise ValueError('tool_choice: expected "none", "auto", "required" or '
+            raise FieldError('tool_choice: expected "none", "auto", "required" or '
                              '{"type": "function", "function": {"name": ...}}')
         choice = f"function:{name}"
     elif choice not in ("none", "auto", "required"):
-        raise ValueError(f'tool_choice: expected "none", "auto", "required" or a named function, got {choice!r}')
+        raise FieldError(f'tool_choice: expected "none", "auto", "required" or a named function, got {choice!r}')
     if choice != "auto" and choice != "none" and not tools:
-        raise ValueError("tool_choice: needs tools")
+        raise FieldError("tool_choice: needs tools")
     fmt = response_format or {"type": "text"}
     kind = fmt.get("type")
     if kind not in ("text", "json_object", "json_schema"):
-        raise ValueError(f'response_format.type: expected "text", "json_object" or "json_schema", got {kind!r}')
+        raise FieldError(f'response_format.type: expected "text", "json_object" or "json_schema", got {kind!r}')
     if tools and choice != "none":
         if kind != "text" and choice != "auto":
-            raise ValueError("response_format: cannot be combined with a required or named tool_choice")
+            raise FieldError("response_format: cannot be combined with a required or named tool_choice")
         if kind == "text":
             return StructuredOutput(tools=tools, tool_choice=choice, parallel_tool_calls=parallel_tool_calls
                                     is not False)
@@ -110,28 +107,79 @@ def structured_output(tools: list[dict] | None = None, tool_choice: str | dict |
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
-            raise ValueError("response_format.json_schema: needs a name and a schema")
+            raise FieldError("response_format.json_schema: needs a name and a schema")
         return StructuredOutput(json_schema=spec["schema"], strict=bool(spec.get("strict", False)))
     return None
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
-    """Model output -> (the text outside the calls or None, OpenAI tool_calls). A block that is not a JSON call
-    object stays in the text."""
-    calls, kept, pos = [], [], 0
-    for m in _CALL_RE.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        kept.append(text[pos : m.start()])
-        pos = m.end()
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}})
-    content = ("".join(kept) + text[pos:]).strip()
+    """Model output -> (the text outside the calls, stripped, or None; OpenAI tool_calls)."""
+    content, calls = ToolCallStream().feed(text, final=True)
     return content or None, calls
+
+
+class ToolCallStream:
+    """Splits streamed model text into content and complete tool calls. Text that could still be the start of
+    a call is held back, and so is whitespace at either end of the content, so the concatenated content deltas
+    equal what parse_tool_calls returns for the whole text. A block that is not a JSON call object is content."""
+
+    def __init__(self):
+        self.buf = ""  # text not yet classified
+        self.ws = ""  # whitespace held until more content follows it
+        self.started = False  # some content was sent (leading whitespace is dropped before it)
+
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
+        """-> (content delta, calls completed by this delta)."""
+        self.buf += delta
+        content, calls = [], []
+        while True:
+            at = self.buf.find(TOOL_CALL_OPEN)
+            if at < 0:
+                keep = 0 if final else _partial_suffix(self.buf, TOOL_CALL_OPEN)
+                content.append(self.buf[: len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep :]
+                break
+            end = self.buf.find(TOOL_CALL_CLOSE, at)
+            if end < 0:
+                if final:  # an unfinished call (length): plain text
+                    content.append(self.buf)
+                    self.buf = ""
+                break
+            block = self.buf[at : end + len(TOOL_CALL_CLOSE)]
+            call = _call(block[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)])
+            content.append(self.buf[:at] if call else self.buf[:at] + block)
+            if call:
+                calls.append(call)
+            self.buf = self.buf[end + len(TOOL_CALL_CLOSE) :]
+        return self._content("".join(content), final), calls
+
+    def _content(self, text: str, final: bool) -> str:
+        text = self.ws + text
+        if not self.started:
+            text = text.lstrip()
+        body = text.rstrip()
+        self.ws = "" if final else text[len(body) :]
+        self.started = self.started or bool(body)
+        return body
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _call(body: str) -> dict | None:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}}
 
 
 def prepare_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
@@ -139,7 +187,7 @@ def prepare_chat(tokenizer, messages: list[dict], tools: list[dict] | None = Non
                  response_format: dict | None = None) -> tuple[list[int], StructuredOutput | None]:
     """One chat request -> (prompt token ids, its constraint). Shared by LLM.chat and the server. Under
     tool_choice "none" the tools stay out of the prompt, so the model is not invited to call them.
-    Raises ValueError "field: why"."""
+    Raises FieldError."""
     check_history(messages)
     structured = structured_output(tools, tool_choice, parallel_tool_calls, response_format)
     shown = None if tool_choice == "none" else tools or None

@@ -33,7 +33,7 @@ from lanner.spec.drafts import MTP, resolve_draft
 from lanner.spec.mtp import MtpProposer, load_mtp
 from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
 from lanner.spec.verify import verify_chain
-from lanner.structured import apply_bitmask, propose_drafts
+from lanner.structured import FieldError, Grammars, apply_bitmask, propose_drafts
 from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lanner")
@@ -249,19 +249,17 @@ class LLMEngine:
         return req
 
     def _grammar_state(self, params: SamplingParams):
-        from lanner.structured import Grammars
-
         if self.tokenizer is None:
             raise RequestError("structured output needs a tokenizer", "response_format")
         if params.unverified_draft:
             raise RequestError("unverified_draft cannot be constrained by a grammar", "unverified_draft")
-        if self.grammars is None:
+        if self.grammars is None:  # imports xgrammar (seconds): only once a request needs it
             self.grammars = Grammars(self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids)
         try:
             return self.grammars.state(params.structured, max_rollback=self.config.spec_tokens +
                                        self.config.grammar_draft_tokens + 1)
-        except ValueError as e:  # "field: why"
-            raise RequestError(str(e), str(e).split(":", 1)[0]) from None
+        except FieldError as e:
+            raise RequestError(str(e), e.param) from None
 
     def _check_fits(self, tokens: int):
         """Raises RequestError when a request of `tokens` tokens (prompt + max_tokens) can never fit the KV cache."""

@@ -34,6 +34,7 @@ from lanner.engine.llm_engine import RequestError
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
 from lanner.engine.ula_engine import make_engine
+from lanner.server import tools
 from lanner.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -333,8 +334,9 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
         params = sampling_params(body, max_tokens, field, (body.top_logprobs or 0) if body.logprobs else None,
                                  "top_logprobs")
         try:
-            prompt_ids = engine.engine.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in body.messages])
+            prompt_ids, params.structured = tools.chat_prompt(engine.engine.tokenizer, body)
+        except tools.FieldError as e:
+            raise APIError(400, str(e), e.param) from None
         except Exception as e:  # noqa: BLE001 - no template, or the template itself rejects the conversation
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -347,14 +349,16 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
             out = await finish(request, first, stream)
             if out is None:
                 return Response(status_code=499)  # the client is gone; nobody reads this
+            msg, reason = tools.message(body, out)
             return ChatCompletionResponse(
                 id=rid, created=created, model=engine.model_name, usage=_usage(out),
-                choices=[ChatChoice(message={"content": out.text}, logprobs=chat_logprobs(out.logprobs),
-                                    finish_reason=out.finish_reason)])
+                choices=[ChatChoice(message=msg, logprobs=chat_logprobs(out.logprobs), finish_reason=reason)])
 
         def chunk(choices, usage=None) -> str:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=engine.model_name, choices=choices,
                                             usage=usage))
+
+        calls = tools.StreamedCalls() if tools.calls_tools(body) else None
 
         async def events():
             yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
@@ -362,11 +366,17 @@ def build_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
                 if out.finish_reason == "error":
                     yield sse_error(out)
                     break
-                if out.delta_text or out.delta_logprobs:
-                    yield chunk([ChatChunkChoice(delta=DeltaMessage(content=out.delta_text),
+                text, call_deltas = out.delta_text, []
+                if calls is not None:
+                    text, call_deltas = calls.feed(text, out.finished)
+                if text or out.delta_logprobs:
+                    yield chunk([ChatChunkChoice(delta=DeltaMessage(content=text),
                                                  logprobs=chat_logprobs(out.delta_logprobs))])
+                for delta in call_deltas:
+                    yield chunk([ChatChunkChoice(delta=DeltaMessage(tool_calls=delta))])
                 if out.finished:
-                    yield chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=out.finish_reason)])
+                    reason = out.finish_reason if calls is None else calls.finish_reason(out.finish_reason)
+                    yield chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=reason)])
                     yield chunk([], _usage(out))
             yield "data: [DONE]\n\n"
 
