@@ -37,6 +37,9 @@ class EngineConfig:
     # speculate only while at most this many requests run: on the 2-core CPU, n-gram drafting (tau ~1.7 on chat)
     # gained 1.08x at 1 request, broke even at 2-4 and lost at 8 (0.86x) and 16 (0.70x): results/bench_spec_batch
     spec_max_batch: int = 4
+    # constrained requests (lanner.structured) draft up to this many tokens their grammar forces, without a
+    # proposer and whatever `spec` is (the target verifies them as any draft); 0: off
+    grammar_draft_tokens: int = 8
     ngram_min: int = 1
     ngram_max: int = 4
     # kernel plugins (lanner.plugins): "auto" (the default: use what fits, skip the rest; e.g. lowlat on a CPU),
@@ -101,6 +104,9 @@ class EngineConfig:
         if isinstance(self.spec_tokens, bool) or not isinstance(self.spec_tokens, int) or \
                 not 1 <= self.spec_tokens <= 8:
             raise ValueError(f"spec_tokens: must be in 1..8, got {self.spec_tokens}")
+        if isinstance(self.grammar_draft_tokens, bool) or not isinstance(self.grammar_draft_tokens, int) or \
+                not 0 <= self.grammar_draft_tokens <= 16:
+            raise ValueError(f"grammar_draft_tokens: must be in 0..16, got {self.grammar_draft_tokens!r}")
         if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
             raise ValueError(f"tp: must be an integer >= 1, got {self.tp!r}")
         if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) or \

@@ -1,12 +1,15 @@
 """vLLM-style offline API: `LLM(...).generate(prompts, params)` and `.chat(conversations, params)`."""
 from __future__ import annotations
 
+import dataclasses
+
 from tqdm import tqdm
 
 from lanner.config import EngineConfig
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
 from lanner.engine.ula_engine import make_engine
+from lanner.tool_calls import parse_tool_calls, prepare_chat
 
 
 class LLM:
@@ -36,14 +39,26 @@ class LLM:
                          use_tqdm)
 
     def chat(self, conversations, params: SamplingParams | list[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
-        """conversations: one list of {"role", "content"} messages, or a list of such lists."""
+             use_tqdm: bool = False, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool | None = None, response_format: dict | None = None) -> list[RequestOutput]:
+        """conversations: one list of OpenAI-style messages, or a list of such lists. tools, tool_choice,
+        parallel_tool_calls and response_format mean what they mean in the OpenAI chat API (lanner.tool_calls);
+        with tools, each output's tool_calls holds the calls parsed from its text."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        reqs = [self.engine.make_request(None, self._params(params, i),
-                                         prompt_ids=self.tokenizer.apply_chat_template(conv))
-                for i, conv in enumerate(conversations)]
-        return self._run(reqs, use_tqdm)
+        reqs = []
+        for i, conv in enumerate(conversations):
+            prompt_ids, structured = prepare_chat(self.tokenizer, conv, tools, tool_choice, parallel_tool_calls,
+                                                  response_format)
+            params_i = self._params(params, i)
+            if structured is not None:
+                params_i = dataclasses.replace(params_i, structured=structured)
+            reqs.append(self.engine.make_request(None, params_i, prompt_ids=prompt_ids))
+        outputs = self._run(reqs, use_tqdm)
+        if tools and tool_choice != "none":
+            for out in outputs:
+                out.tool_calls = parse_tool_calls(out.text)[1]
+        return outputs
 
     @staticmethod
     def _params(params, i):

@@ -36,13 +36,14 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens=True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
-                            **template_kwargs) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template (or `chat_template`), plus the
-        generation prompt. Only the template's own text may hold special tokens: every string a message carries
-        (content, name, ...; not role or type) is tokenized as plain text, so a user who types "<|im_end|>"
-        cannot forge turns. The template is rendered with a random placeholder per string, then the pieces
-        between placeholders are tokenized with special tokens and the strings without."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            chat_template: str | None = None, **template_kwargs) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template (or `chat_template`, e.g.
+        lanner.tool_calls' for tools), plus the generation prompt. Only the template's own text may hold special
+        tokens: every string a message carries (content, name, ...; not role or type) is tokenized as plain text,
+        so a user who types "<|im_end|>" cannot forge turns. The template is rendered with a random placeholder per string, then the pieces
+        between placeholders are tokenized with special tokens and the strings without. `tools` (the
+        application's function definitions, rendered as JSON) are passed as they are."""
         template = chat_template or self.hf.chat_template
         if not template:
             raise ValueError("this model's tokenizer has no chat template; use the completions API")
@@ -59,8 +60,8 @@ class Tokenizer:
                 return [hide(v) for v in value]
             return value
 
-        rendered = self.hf.apply_chat_template(hide(messages), chat_template=template, add_generation_prompt=True,
-                                               tokenize=False, **template_kwargs)
+        rendered = self.hf.apply_chat_template(hide(messages), tools=tools, chat_template=template,
+                                               add_generation_prompt=True, tokenize=False, **template_kwargs)
         ids: list[int] = []
         # re.split with one group alternates: template text, placeholder index, template text, ...
         for i, piece in enumerate(re.split(f"LANNER{nonce}T(\\d+)E", rendered)):

@@ -67,3 +67,22 @@ def tiny_llama(tmp_path_factory) -> str:
     save_file(tensors, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(cfg))
     return str(folder)
+
+
+@contextlib.contextmanager
+def openai_server(**engine_options):
+    """A real server over a fresh float32 engine of the bundled model; yields (base URL, AsyncEngine, an official
+    openai client without retries)."""
+    import openai
+
+    from lanner.config import EngineConfig
+    from lanner.engine.async_engine import AsyncEngine
+    from lanner.engine.llm_engine import LLMEngine
+    from lanner.server.app import build_app
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", **engine_options)))
+    try:
+        with serve(build_app(engine)) as base:
+            yield base, engine, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+    finally:
+        engine.shutdown()

@@ -26,6 +26,7 @@ from lanner.spec.drafts import MTP, resolve_draft
 from lanner.spec.mtp import MtpProposer, load_mtp
 from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
 from lanner.spec.verify import verify_chain
+from lanner.structured import FieldError, Grammars, apply_bitmask, propose_drafts
 from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lanner")
@@ -94,6 +95,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or ctx, ctx)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.grammars = None  # lanner.structured.Grammars, built by the first constrained request
         self._build_cache(config)
         log.info("loaded %s in %.1fs: %s, max_model_len %d", self.model_name, self.load_s, self.kv_summary,
                  self.max_model_len)
@@ -175,12 +177,14 @@ class LLMEngine:
         if p.unverified_draft:  # data generation: drafts at any batch size
             return min(p.unverified_draft, req.max_tokens - len(req.output_ids) - 1,
                        self.max_model_len - req.num_tokens - 1)
-        if self.proposer is None or batch_size > self.config.spec_max_batch or not p.speculative:
+        if batch_size > self.config.spec_max_batch or not p.speculative:
             return 0
         if p.has_penalties or p.logprobs is not None or p.logit_bias:  # the verifier applies none of them
             return 0
-        return min(self.config.spec_tokens, req.max_tokens - len(req.output_ids) - 1,
-                   self.max_model_len - req.num_tokens - 1)
+        # constrained requests also draft the tokens their grammar forces (lanner.structured.propose_drafts)
+        k = max(self.config.spec_tokens if self.proposer is not None else 0,
+                self.config.grammar_draft_tokens if req.grammar is not None else 0)
+        return min(k, req.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
@@ -223,7 +227,22 @@ class LLMEngine:
         req = Request(rid, prompt_ids, params, text, max_tokens, self.eos_token_ids)
         if self.tokenizer is not None:
             req.detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        if params.structured is not None:
+            req.grammar = self._grammar_state(params)
         return req
+
+    def _grammar_state(self, params: SamplingParams):
+        if self.tokenizer is None:
+            raise RequestError("structured output needs a tokenizer", "response_format")
+        if params.unverified_draft:
+            raise RequestError("unverified_draft cannot be constrained by a grammar", "unverified_draft")
+        if self.grammars is None:  # imports xgrammar (seconds): only once a request needs it
+            self.grammars = Grammars(self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids)
+        try:
+            return self.grammars.state(params.structured, max_rollback=self.config.spec_tokens +
+                                       self.config.grammar_draft_tokens + 1)
+        except FieldError as e:
+            raise RequestError(str(e), e.param) from None
 
     def _check_fits(self, tokens: int):
         """Raises RequestError when a request of `tokens` tokens (prompt + max_tokens) can never fit the KV cache."""
@@ -263,7 +282,7 @@ class LLMEngine:
         if self.failed is not None:
             raise TPError(str(self.failed))
         preempted_before = self.scheduler.num_preemptions
-        items = self.scheduler.schedule(self._spec_tokens if self.proposer is not None else None)
+        items = self.scheduler.schedule(self._spec_tokens)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
         outputs = []
         if items:
@@ -275,9 +294,8 @@ class LLMEngine:
                 spec = [it for it in items if it.num_spec > 0]
                 if spec:
                     with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
-                        proposals = self.proposer.propose([it.request for it in spec], [it.num_spec for it in spec])
-                    for it, (draft, probs) in zip(spec, proposals):
-                        it.draft, it.draft_probs = draft, probs
+                        propose_drafts(self.proposer, spec, self.config.spec_tokens,
+                                       self.config.grammar_draft_tokens > 0)
                 chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
                                    it.request.block_table, "all" if it.draft else "last" if it.samples else "none")
                           for it in items]
@@ -293,6 +311,8 @@ class LLMEngine:
                         row += k + 1
                     elif it.draft:
                         k = len(it.draft)
+                        if it.masks is not None:  # the target verifies under the grammar, row by row
+                            apply_bitmask(logits[row : row + k + 1], it.masks)
                         emitted[id(it)] = verify_chain(logits[row : row + k + 1], it.draft, it.draft_probs,
                                                        it.request.params, it.request.generator)
                         row += k + 1
@@ -330,7 +350,8 @@ class LLMEngine:
                     tokens = emitted[id(it)]
                     before = req.num_tokens
                     req.num_computed += it.num_tokens + len(tokens) - 1
-                    self.proposer.after_verify(req, len(it.draft), len(tokens) - 1, before)
+                    if it.num_proposed:  # grammar-forced drafts never touched the proposer
+                        self.proposer.after_verify(req, it.num_proposed, len(tokens) - 1, before)
                     n_out = 0
                     for i, tok in enumerate(tokens):
                         n_out += 1
@@ -383,6 +404,8 @@ class LLMEngine:
     def _accept_token(self, req: Request, token: int, logprob: dict | None) -> str | None:
         """Appends one token; returns the finish reason it causes, if any (the caller finishes the request)."""
         req.append_token(token)
+        if req.grammar is not None:
+            req.grammar.accept(token)
         if req.logprobs is not None:
             req.logprobs.append({"token_id": token, **logprob})
         self.metrics.generation_tokens.inc()

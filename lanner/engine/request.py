@@ -32,6 +32,7 @@ class RequestOutput:
     delta_logprobs: list[dict] | None = None
     error: str | None = None
     draft_sources: list[int] | None = None  # unverified_draft requests: 1 where the draft wrote the token
+    tool_calls: list[dict] | None = None  # LLM.chat with tools: the calls parsed from text (OpenAI shape)
 
 
 class Request:
@@ -65,6 +66,7 @@ class Request:
         self.sent_tokens = 0
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.detok = None  # IncrementalDetokenizer, set by the engine
+        self.grammar = None  # lanner.structured.GrammarState of a constrained request, set by the engine
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.arrival_time = time.perf_counter()

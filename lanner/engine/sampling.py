@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lanner.structured import StructuredOutput
 
 
 @dataclass
@@ -34,6 +38,8 @@ class SamplingParams:
     # RCSD data generation only: after each target token the draft writes this many tokens that are accepted
     # WITHOUT verification (the output is not the target's). Greedy only; needs a draft. 0: off.
     unverified_draft: int = 0
+    # constrained decoding (lanner.structured): a JSON schema, any JSON object, or tool calls
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -152,6 +158,11 @@ def sample(logits: torch.Tensor, requests) -> SampleResult:
     params_list = [r.params for r in requests]
     want_logprobs = [p.logprobs is not None for p in params_list]
     raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
+    grammars = [getattr(r, "grammar", None) for r in requests]
+    if any(g is not None for g in grammars):
+        from lanner.structured import mask_logits
+
+        mask_logits(logits, grammars)  # in place: logits is the caller's gathered copy
     if any(p.has_penalties or p.logit_bias for p in params_list):
         logits = logits.clone()
         for i, r in enumerate(requests):

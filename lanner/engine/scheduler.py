@@ -29,6 +29,8 @@ class ScheduledItem:
     samples: bool = False  # this step reaches the end of the request's tokens, so a new token is sampled
     draft: list[int] = field(default_factory=list)  # filled by the proposer
     draft_probs: object = None  # [len(draft), V] tensor, or None (one-hot drafts)
+    num_proposed: int = 0  # how many of the draft tokens the proposer wrote (the rest the grammar forced)
+    masks: object = None  # constrained requests: grammar bitmask per verify row (lanner.structured)
 
     def __post_init__(self):
         self.samples = self.start + self.num_tokens == self.request.num_tokens

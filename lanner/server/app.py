@@ -34,6 +34,7 @@ from lanner.engine.llm_engine import RequestError
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
 from lanner.engine.ula_engine import make_engine
+from lanner.server import tools
 from lanner.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -309,10 +310,10 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
                              if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
         params = sampling_params(body, max_tokens, field, (body.top_logprobs or 0) if body.logprobs else None,
                                  "top_logprobs")
-        try:  # off the event loop: a long conversation takes a while to tokenize
-            prompt_ids = await asyncio.to_thread(engine.engine.tokenizer.apply_chat_template,
-                                                 [{"role": m.template_role(), "content": m.text()}
-                                                  for m in body.messages])
+        try:  # off the event loop: a long conversation takes a while to tokenize, a schema to compile
+            prompt_ids, params.structured = await asyncio.to_thread(tools.chat_prompt, engine.engine.tokenizer, body)
+        except tools.FieldError as e:
+            raise APIError(400, str(e), e.param) from None
         except Exception as e:  # noqa: BLE001 - no template, or the template itself rejects the conversation
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -325,14 +326,16 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             out = await finish(request, first, stream)
             if out is None:
                 return Response(status_code=499)  # the client is gone; nobody reads this
+            msg, reason = tools.message(body, out)
             return ChatCompletionResponse(
                 id=rid, created=created, model=engine.model_name, usage=_usage(out),
-                choices=[ChatChoice(message={"content": out.text}, logprobs=chat_logprobs(out.logprobs),
-                                    finish_reason=out.finish_reason)])
+                choices=[ChatChoice(message=msg, logprobs=chat_logprobs(out.logprobs), finish_reason=reason)])
 
         def chunk(choices, usage=None) -> str:
             return _sse(ChatCompletionChunk(id=rid, created=created, model=engine.model_name, choices=choices,
                                             usage=usage))
+
+        calls = tools.StreamedCalls() if tools.calls_tools(body) else None
 
         async def events():
             yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])
@@ -340,11 +343,17 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
                 if out.finish_reason == "error":
                     yield sse_error(out)
                     break
-                if out.delta_text or out.delta_logprobs:
-                    yield chunk([ChatChunkChoice(delta=DeltaMessage(content=out.delta_text),
+                text, call_deltas = out.delta_text, []
+                if calls is not None:
+                    text, call_deltas = calls.feed(text, out.finished)
+                if text or out.delta_logprobs:
+                    yield chunk([ChatChunkChoice(delta=DeltaMessage(content=text),
                                                  logprobs=chat_logprobs(out.delta_logprobs))])
+                for delta in call_deltas:
+                    yield chunk([ChatChunkChoice(delta=DeltaMessage(tool_calls=delta))])
                 if out.finished:
-                    yield chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=out.finish_reason)])
+                    reason = out.finish_reason if calls is None else calls.finish_reason(out.finish_reason)
+                    yield chunk([ChatChunkChoice(delta=DeltaMessage(), finish_reason=reason)])
                     yield chunk([], _usage(out))
             yield "data: [DONE]\n\n"
 

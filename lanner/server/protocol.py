@@ -14,6 +14,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 from pydantic.json_schema import SkipJsonSchema
 
+from lanner.server.tools import DeltaToolCall, ToolCall, ToolFields
+
 LEGACY_MAX_TOKENS = 16  # /v1/completions' default when max_tokens is absent or null, as in OpenAI's legacy API
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_STOP = 16  # stop strings (OpenAI allows 4)
@@ -47,6 +49,7 @@ class ChatMessage(_Request):
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     tool_call_id: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (lanner.server.tools)
 
     def text(self) -> str:
         if self.content is None:
@@ -95,8 +98,9 @@ class _SamplingFields(_Request):
         return next((name for name in self.UNSUPPORTED if getattr(self, name) is not None), None)
 
 
-class ChatCompletionRequest(_SamplingFields):
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("functions", "function_call", "audio", "modalities", "prediction", "web_search_options")
+class ChatCompletionRequest(_SamplingFields, ToolFields):
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("functions", "function_call", "audio", "modalities", "prediction",
+                                              "web_search_options")
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)  # newer name for max_tokens; wins
@@ -169,7 +173,8 @@ class CompletionLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -191,6 +196,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler):
