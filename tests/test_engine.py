@@ -45,8 +45,9 @@ def test_chunked_prefill_and_preemption_keep_outputs(alone):
     # 14 blocks x 16 tokens cannot hold 8 requests at once: some must be preempted and recomputed;
     # a 32-token budget chunks every prefill
     per_token = 2 * 30 * 3 * 64 * 4  # layers x k|v x kv heads x head dim x float32
+    # spec=None: the draft head's KV would share the budget; plugin=None: so would lowlat's buffers
     tiny = LLM(dtype="float32", kv_cache_memory=f"{14 * 16 * per_token / 2**30}GiB", max_num_batched_tokens=32,
-               spec=None)  # the draft head's KV would share the budget
+               spec=None, plugin=None)
     assert tiny.engine.num_blocks == 14
     outs = tiny.generate(PROMPTS, GREEDY)
     assert tiny.engine.scheduler.num_preemptions > 0
