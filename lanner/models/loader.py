@@ -126,6 +126,13 @@ _GGUF_NAMES = {
 }
 
 
+# Gemma 3 blocks norm before and after both attention and the feed-forward
+_GGUF_NAMES_GEMMA3 = _GGUF_NAMES | {
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
 def _gguf_field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -133,7 +140,7 @@ def _gguf_field(reader, key, default=None):
 
 def gguf_config(reader) -> tuple[ModelConfig, torch.Tensor | None]:
     arch = _gguf_field(reader, "general.architecture")
-    check_architecture(arch)
+    family = check_architecture(arch)
     g = lambda k, d=None: _gguf_field(reader, f"{arch}.{k}", d)
     heads = g("attention.head_count")
     hidden = g("embedding_length")
@@ -157,7 +164,12 @@ def gguf_config(reader) -> tuple[ModelConfig, torch.Tensor | None]:
         attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[eos] if eos is not None else [],
+        sliding_window=g("attention.sliding_window"), family=family,
     )
+    if family == "gemma":
+        from lanner.models.gemma import gguf_fields
+
+        cfg.hf = gguf_fields(g, cfg)
     return cfg, freq_factors
 
 
@@ -169,17 +181,20 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def _gguf_weights(reader, cfg: ModelConfig):
     from gguf.quants import dequantize
 
+    names = _GGUF_NAMES_GEMMA3 if cfg.architecture == "gemma3" else _GGUF_NAMES
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         parts = t.name.split(".")
         if parts[0] == "blk":
-            name = f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+            name = f"layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         else:
-            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+            name = f"{names[parts[0]]}.{parts[1]}"
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
         if cfg.architecture == "llama" and parts[-2] in ("attn_q", "attn_k"):
             w = _unpermute(w, cfg.num_heads if parts[-2] == "attn_q" else cfg.num_kv_heads)
+        if cfg.architecture == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp's converter stores Gemma's norm weights as 1 + w
         yield name, w
 
 
@@ -202,6 +217,7 @@ def load_config(source: ModelSource):
 MODEL_CLASSES = {
     "llama": "lanner.models.llama:LlamaModel",
     "deepseek": "lanner.models.deepseek:DeepseekModel",
+    "gemma": "lanner.models.gemma:Gemma3Model",
 }
 
 
