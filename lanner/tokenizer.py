@@ -8,8 +8,8 @@ from lanner.models.loader import ModelSource, load_tokenizer
 
 
 class Tokenizer:
-    def __init__(self, source: ModelSource, eos_token_ids: list[int] = ()):
-        self.hf = load_tokenizer(source)
+    def __init__(self, source: ModelSource, eos_token_ids: list[int] = (), architecture: str | None = None):
+        self.hf = load_tokenizer(source, architecture)
         eos = set(eos_token_ids)
         if self.hf.eos_token_id is not None:
             eos.add(self.hf.eos_token_id)
