@@ -13,6 +13,8 @@ class Tokenizer:
         eos = set(eos_token_ids)
         if self.hf.eos_token_id is not None:
             eos.add(self.hf.eos_token_id)
+        if architecture == "gemma3":  # a GGUF names only <eos>; a chat turn ends at <end_of_turn> (llama.cpp too)
+            eos.add(self.hf.convert_tokens_to_ids("<end_of_turn>"))
         gen_cfg = os.path.join(source.path, "generation_config.json") if source.kind == "hf" else None
         if gen_cfg and os.path.exists(gen_cfg):
             e = json.load(open(gen_cfg)).get("eos_token_id")

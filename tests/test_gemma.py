@@ -145,7 +145,7 @@ def test_real_gemma3_270m_gguf_generates_sensible_text(real_path):
     About 2-4 minutes here, mostly reading the file's metadata (gguf.GGUFReader) and building the tokenizer."""
     llm = LLM(model=real_path, max_model_len=1024, kv_cache_memory="0.05GiB")
     tok = llm.engine.tokenizer
-    assert tok.vocab_size == 262_144
+    assert tok.vocab_size == 262_144 and tok.eos_token_ids == [1, 106]  # <eos>, <end_of_turn>
     assert tok.encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
     assert len(tok.encode(COUNTING)) > 512
     outs = llm.generate(REAL_PROMPTS, SamplingParams(temperature=0, max_tokens=10))  # digits are single tokens
