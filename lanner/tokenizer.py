@@ -13,11 +13,13 @@ _STRUCTURAL_KEYS = frozenset({"role", "type"})
 
 
 class Tokenizer:
-    def __init__(self, source: ModelSource, eos_token_ids: list[int] = ()):
-        self.hf = load_tokenizer(source)
+    def __init__(self, source: ModelSource, eos_token_ids: list[int] = (), architecture: str | None = None):
+        self.hf = load_tokenizer(source, architecture)
         eos = set(eos_token_ids)
         if self.hf.eos_token_id is not None:
             eos.add(self.hf.eos_token_id)
+        if architecture == "gemma3":  # a GGUF names only <eos>; a chat turn ends at <end_of_turn> (llama.cpp too)
+            eos.add(self.hf.convert_tokens_to_ids("<end_of_turn>"))
         gen_cfg = os.path.join(source.path, "generation_config.json") if source.kind == "hf" else None
         if gen_cfg and os.path.exists(gen_cfg):
             e = json.load(open(gen_cfg)).get("eos_token_id")

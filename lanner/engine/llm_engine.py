@@ -87,7 +87,8 @@ class LLMEngine:
         self.model, self.model_config, self.plugins, self.plugin_bytes = load_target(config, self.hardware,
                                                                                      self.metrics)
         # skip_tokenizer: token ids in and out only (like vLLM's skip_tokenizer_init), e.g. for tokenizer-less models
-        self.tokenizer = None if config.skip_tokenizer else Tokenizer(self.source, self.model_config.eos_token_ids)
+        self.tokenizer = None if config.skip_tokenizer else Tokenizer(self.source, self.model_config.eos_token_ids,
+                                                                      self.model_config.architecture)
         self.eos_token_ids = self.model_config.eos_token_ids if self.tokenizer is None else \
             self.tokenizer.eos_token_ids
         self.load_s = time.perf_counter() - t0

@@ -7,7 +7,7 @@ after `ctx_len - q_len` cached ones. `AttentionMetadata` is built once per step 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -120,3 +120,30 @@ def build_attention_metadata(q_lens, ctx_lens, block_tables, block_size, device)
         mask = mask[:, None].to(device)
     return AttentionMetadata(slot_mapping, B, Qmax, kv_slots, kv_range, mask, is_causal, q_dest, list(q_lens),
                              list(ctx_lens), block_tables, block_size)
+
+
+def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The same step for a sliding-window layer: query position p reads keys p - window < j <= p (transformers'
+    and llama.cpp's rule), and only those slots are gathered, so a local layer's read stays window-sized however
+    long the context. Returns `meta` itself when no query's window cuts anything off."""
+    if meta.ctx_lens is None:
+        raise ValueError("sliding-window attention needs the step's layout (q_lens, ctx_lens, block_tables)")
+    if max(meta.ctx_lens) <= window:
+        return meta
+    bs, dev = meta.block_size, meta.slot_mapping.device
+    ctx, ql = torch.tensor(meta.ctx_lens), torch.tensor(meta.q_lens)
+    lo = (ctx - ql - window + 1).clamp(min=0)  # [B] first position any of the sequence's queries can see
+    lens = ctx - lo
+    Lw, Qmax = int(lens.max()), meta.max_q_len
+    j = torch.arange(Lw)
+    kpos = torch.minimum(lo[:, None] + j[None, :], ctx[:, None] - 1)  # [B, Lw]; padding repeats a real slot
+    nb = max(len(bt) for bt in meta.block_tables)
+    table = torch.tensor([bt + [0] * (nb - len(bt)) for bt in meta.block_tables], dtype=torch.long)
+    kv_slots = table.gather(1, kpos // bs) * bs + kpos % bs
+    i = torch.arange(Qmax)
+    qpos = (ctx - ql)[:, None] + i[None, :]  # [B, Qmax]
+    kp, qp = kpos[:, None, :], qpos[:, :, None]
+    mask = (kp <= qp) & (kp > qp - window) & (j[None, None, :] < lens[:, None, None])
+    mask[:, :, 0] |= i[None, :] >= ql[:, None]  # padded query rows attend to slot 0: avoids NaN rows
+    return replace(meta, kv_slots=kv_slots.to(dev), kv_range=None, mask=mask[:, None].to(dev), is_causal=False,
+                   sparse=None)

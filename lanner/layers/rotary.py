@@ -50,3 +50,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+class RotaryFrequencies(torch.nn.Module):
+    """RotaryEmbedding's lookup without the table: cos/sin of this step's positions, computed in float64 like the
+    table. For long-context models a [max_pos, head_dim] table per RoPE variant would take 100s of MB."""
+
+    def __init__(self, head_dim, theta, scaling=None, freq_factors=None):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling, freq_factors), persistent=False)
+
+    def lookup(self, positions: torch.Tensor, dtype):
+        freqs = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        return emb.cos().float().to(dtype), emb.sin().float().to(dtype)

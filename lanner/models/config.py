@@ -19,7 +19,13 @@ SUPPORTED_ARCHITECTURES = {
     # MLA + DeepSeek sparse attention (lightning indexer) + MoE
     "DeepseekV32ForCausalLM": "deepseek",
     "GlmMoeDsaForCausalLM": "deepseek",
+    # sliding-window local layers + global layers, (1 + w) norms, pre/post norms, GeGLU
+    "Gemma3ForCausalLM": "gemma",
+    "gemma3": "gemma",
 }
+
+# families whose models attend over a sliding window themselves (the others are capped at the window)
+SLIDING_WINDOW_FAMILIES = ("gemma",)
 
 
 class UnsupportedModelError(ValueError):
@@ -95,7 +101,7 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        # Lanner has no sliding-window attention: cap the context where full attention is still exact.
-        if self.sliding_window:
+        # Llama-family models have no sliding-window attention: cap the context where full attention is still exact.
+        if self.sliding_window and self.family not in SLIDING_WINDOW_FAMILIES:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings

@@ -35,7 +35,8 @@ class ModelSource:
     name: str  # served model name
 
     @classmethod
-    def resolve(cls, model: str | None) -> ModelSource:
+    def resolve(cls, model: str | os.PathLike | None) -> ModelSource:
+        model = os.fspath(model) if model is not None else None
         if model in (None, "", "default", DEFAULT_MODEL_NAME):
             return cls(default_model_path(), "gguf", DEFAULT_MODEL_NAME)
         if os.path.isfile(model) and model.endswith(".gguf"):
@@ -126,6 +127,13 @@ _GGUF_NAMES = {
 }
 
 
+# Gemma 3 blocks norm before and after both attention and the feed-forward
+_GGUF_NAMES_GEMMA3 = _GGUF_NAMES | {
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+
 def _gguf_field(reader, key, default=None):
     f = reader.fields.get(key)
     return default if f is None else f.contents()
@@ -133,7 +141,7 @@ def _gguf_field(reader, key, default=None):
 
 def gguf_config(reader) -> tuple[ModelConfig, torch.Tensor | None]:
     arch = _gguf_field(reader, "general.architecture")
-    check_architecture(arch)
+    family = check_architecture(arch)
     g = lambda k, d=None: _gguf_field(reader, f"{arch}.{k}", d)
     heads = g("attention.head_count")
     hidden = g("embedding_length")
@@ -157,7 +165,12 @@ def gguf_config(reader) -> tuple[ModelConfig, torch.Tensor | None]:
         attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[eos] if eos is not None else [],
+        sliding_window=g("attention.sliding_window"), family=family,
     )
+    if family == "gemma":
+        from lanner.models.gemma import gguf_fields
+
+        cfg.hf = gguf_fields(g, cfg)
     return cfg, freq_factors
 
 
@@ -169,17 +182,20 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def _gguf_weights(reader, cfg: ModelConfig):
     from gguf.quants import dequantize
 
+    names = _GGUF_NAMES_GEMMA3 if cfg.architecture == "gemma3" else _GGUF_NAMES
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue
         parts = t.name.split(".")
         if parts[0] == "blk":
-            name = f"layers.{parts[1]}.{_GGUF_NAMES[parts[2]]}.{parts[3]}"
+            name = f"layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
         else:
-            name = f"{_GGUF_NAMES[parts[0]]}.{parts[1]}"
+            name = f"{names[parts[0]]}.{parts[1]}"
         w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
         if cfg.architecture == "llama" and parts[-2] in ("attn_q", "attn_k"):
             w = _unpermute(w, cfg.num_heads if parts[-2] == "attn_q" else cfg.num_kv_heads)
+        if cfg.architecture == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp's converter stores Gemma's norm weights as 1 + w
         yield name, w
 
 
@@ -202,6 +218,7 @@ def load_config(source: ModelSource):
 MODEL_CLASSES = {
     "llama": "lanner.models.llama:LlamaModel",
     "deepseek": "lanner.models.deepseek:DeepseekModel",
+    "gemma": "lanner.models.gemma:Gemma3Model",
 }
 
 
@@ -224,12 +241,19 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str, loaded_conf
     return model, cfg
 
 
-def load_tokenizer(source: ModelSource):
-    from transformers import AutoTokenizer
+# GGUF arch -> transformers tokenizer class: naming it skips AutoTokenizer's own pass over the file's metadata to
+# find the class (gguf.GGUFReader: about 30 s on a 262k-token vocabulary, half the tokenizer's load time)
+_GGUF_TOKENIZER_CLASSES = {"gemma3": "GemmaTokenizer"}
+
+
+def load_tokenizer(source: ModelSource, architecture: str | None = None):
+    """architecture: the model's, when known (ModelConfig.architecture)."""
+    import transformers
 
     if source.kind == "gguf":
-        return AutoTokenizer.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
-    return AutoTokenizer.from_pretrained(source.path)
+        cls = getattr(transformers, _GGUF_TOKENIZER_CLASSES.get(architecture, "AutoTokenizer"))
+        return cls.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+    return transformers.AutoTokenizer.from_pretrained(source.path)
 
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Tiny random-weight DeepSeek-V3.2 / GLM-5 checkpoints (Hugging Face folders) for tests and benchmarks.
+"""Tiny random-weight DeepSeek-V3.2 / GLM-5 / Gemma 3 checkpoints (Hugging Face folders) for tests and benchmarks.
 
 Weights are drawn at unit scale (not HF's 0.02 init) so attention, indexer scores and routing are far from
 uniform: a wrong selection, rope layout or routing shows up as a large logit difference, not a 1e-6 one.
@@ -35,11 +35,24 @@ TINY_CONFIGS = {
         indexer_types=["full", "shared", "full", "shared"],
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     ),
+    # both layer types (a window of 8, so short prompts already slide), query_pre_attn_scalar != head_dim, linear
+    # RoPE scaling on the global layers only, GQA and logit softcapping: each differs from Llama visibly
+    "gemma3_text": dict(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}},
+        final_logit_softcapping=8.0, max_position_embeddings=512, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+    ),
 }
+
+# Gemma's norms scale by (1 + weight): their weights are drawn around 0, not 1
+_ZERO_CENTRED_NORMS = ("gemma3_text",)
 
 
 def make_tiny_model(arch: str, out_dir: str, seed: int = 0, mtp: bool = False, **overrides) -> str:
-    """Writes config.json + model.safetensors of a tiny random `arch` model ("deepseek_v32" | "glm_moe_dsa")
+    """Writes config.json + model.safetensors of a tiny random `arch` model (a TINY_CONFIGS key)
     to out_dir and returns out_dir. overrides: config fields. mtp: add one multi-token prediction layer in the
     DeepSeek-V3 layout (`model.layers.{num_hidden_layers}`, see _add_mtp)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -58,7 +71,7 @@ def make_tiny_model(arch: str, out_dir: str, seed: int = 0, mtp: bool = False, *
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                p.copy_((0.0 if arch in _ZERO_CENTRED_NORMS else 1.0) + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.2 * torch.randn_like(p))
             else:  # fan-in scaled: every projection's output is O(1)
