@@ -26,8 +26,8 @@ def main():
     model, _ = load_model(ModelSource.resolve(path), torch.float32, "cpu")
     ours_s = time.perf_counter() - t
     # "<bos>The capital of France is", and 600 random tokens: past the local layers' 512-token window
-    prompts = {"capital": [2, 818, 5279, 529, 7001, 563],
-               "random_601": [2] + torch.randint(300, 20000, (600,), generator=torch.Generator().manual_seed(0)).tolist()}
+    rand = torch.randint(300, 20000, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = {"capital": [2, 818, 5279, 529, 7001, 563], "random_601": [2, *rand]}
     rows = []
     for name, ids in prompts.items():
         got = ModelRunner(model, 64, 16, torch.float32, "cpu").run([SeqChunk(ids, 0, list(range(64)), "all")])
