@@ -54,7 +54,8 @@ RAW_BAD = [
     (COMPLETIONS, '{"prompt":"hi","max_tokens":4,"seed":1180591620717411303424}', "seed"),
     (COMPLETIONS, '{"prompt":"a\\ud800b","max_tokens":4}', "prompt"),
     (CHAT, '{"messages":[{"role":"user","content":"a\\udfffb"}],"max_tokens":4}', "messages[0].content"),
-    (CHAT, '{"messages":[{"role":"user","content":[{"type":"text","text":"\\ud800"}]}]}', "messages[0].content[0].text"),
+    (CHAT, '{"messages":[{"role":"user","content":[{"type":"text","text":"\\ud800"}]}]}',
+     "messages[0].content[0].text"),
     # 5: non-finite numbers and upper bounds
     (CHAT, '{"messages":[{"role":"user","content":"hi"}],"temperature":NaN}', "temperature"),
     (CHAT, '{"messages":[{"role":"user","content":"hi"}],"temperature":Infinity}', "temperature"),
