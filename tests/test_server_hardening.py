@@ -352,7 +352,7 @@ FUZZ_CHECKS = ("not_a_server_error,status_code_conformance,content_type_conforma
                "missing_required_header")
 
 
-def test_schemathesis_finds_no_5xx_and_no_conformance_failures(srv, monkeypatch):
+def test_schemathesis_finds_no_5xx_and_no_conformance_failures(srv, monkeypatch, tmp_path):
     # a short context bounds what an accepted fuzz case can generate (the chat template alone is ~31 tokens),
     # so the run fits the CI budget; --max-time bounds the three phases together
     monkeypatch.setattr(srv.engine.engine, "max_model_len", 40)
@@ -360,6 +360,7 @@ def test_schemathesis_finds_no_5xx_and_no_conformance_failures(srv, monkeypatch)
            srv.base + "/openapi.json", "--phases", "examples,coverage,fuzzing", "--checks", FUZZ_CHECKS,
            "--max-examples", "10", "--max-time", "60", "--seed", "21", "--workers", "1", "--no-color",
            "--generation-database", "none", "--request-timeout", "60"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    # cwd: Schemathesis keeps a crash cache under ./.schemathesis
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert "passed" in done.stdout and "Fuzzing" in done.stdout
