@@ -35,7 +35,19 @@ from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
 from lanner.engine.ula_engine import make_engine
 from lanner.server import tools
+from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
+from lanner.server.http import (
+    RETRY_AFTER_S,
+    APIError,
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    GracefulServer,
+    error_json,
+    install_openapi,
+    validation_message,
+)
 from lanner.server.protocol import (
+    LEGACY_MAX_TOKENS,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -49,24 +61,12 @@ from lanner.server.protocol import (
     DeltaMessage,
     ErrorInfo,
     ErrorResponse,
-    LEGACY_MAX_TOKENS,
     ModelCard,
     ModelList,
     PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
-)
-from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
-from lanner.server.http import (
-    RETRY_AFTER_S,
-    APIError,
-    ApiKeyMiddleware,
-    BodyLimitMiddleware,
-    GracefulServer,
-    error_json,
-    install_openapi,
-    validation_message,
 )
 
 log = logging.getLogger("lanner.server")
@@ -158,9 +158,10 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     tokens = _TokenText(engine.engine.tokenizer)
-    v1_errors = (400, 401, 404, 413, 503) if api_key else (400, 404, 413, 503)
-    install_openapi(app, {"/v1/chat/completions": v1_errors, "/v1/completions": v1_errors,
-                          "/v1/models": v1_errors[1:2] if api_key else (), "/health": (503,)})
+    auth = (401,) if api_key else ()
+    generate_errors = (400, *auth, 404, 413, 503)
+    install_openapi(app, {"/v1/chat/completions": generate_errors, "/v1/completions": generate_errors,
+                          "/v1/models": auth, "/health": (503,)})
 
     # ------------------------------------------------------------------ errors
     @app.exception_handler(APIError)

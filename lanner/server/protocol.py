@@ -86,8 +86,9 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, le=2)
-    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")], Annotated[float, Field(ge=-100, le=100)]] | None = \
-        Field(None, max_length=MAX_LOGIT_BIAS)  # token id (a decimal string, as OpenAI) -> added to its logit
+    # token id (a decimal string, as OpenAI) -> added to its logit
+    logit_bias: dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+                     Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True
