@@ -129,17 +129,17 @@ def test_fifty_required_calls_and_fifty_schemas_all_validate(srv):
               for i in range(50)]
 
     def ask(kw):
-        return srv.client.chat.completions.create(model=srv.model, temperature=0.7, seed=1, max_tokens=48, **kw)
+        return srv.client.chat.completions.create(model=srv.model, temperature=0.7, seed=1, max_tokens=96, **kw)
 
     with ThreadPoolExecutor(100) as pool:
         results = list(pool.map(ask, calls + people))
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CALC, WEATHER)}
     for r in results[:50]:
-        assert r.choices[0].finish_reason == "tool_calls"
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
         (call,) = r.choices[0].message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     for r in results[50:]:
-        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message
         jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
 
 
