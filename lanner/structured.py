@@ -141,12 +141,11 @@ class Grammars:
             return compiled
         self.misses += 1
         try:
-            if so.json_object:
-                compiled = self.compiler.compile_builtin_json_grammar()
-            elif so.json_schema is not None:
+            if so.json_object or so.json_schema is not None:
                 # no free whitespace: a small model would otherwise pad with newlines until max_tokens
-                compiled = self.compiler.compile_json_schema(so.json_schema, any_whitespace=False,
-                                                             strict_mode=so.strict)
+                schema = {"type": "object"} if so.json_object else so.json_schema
+                compiled = self.compiler.compile_json_schema(schema, any_whitespace=False,
+                                                             strict_mode=so.strict and not so.json_object)
             else:
                 compiled = self.compiler.compile_structural_tag(so.structural_tag())
         except Exception as e:  # noqa: BLE001 - xgrammar's errors for schemas it cannot express

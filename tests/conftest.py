@@ -83,6 +83,6 @@ def openai_server(**engine_options):
     engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", **engine_options)))
     try:
         with serve(build_app(engine)) as base:
-            yield base, engine, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
+            yield base, engine, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=900)
     finally:
         engine.shutdown()

@@ -10,7 +10,8 @@ import openai
 import pytest
 from conftest import openai_server
 
-from lanner.tool_calls import prepare_chat
+from lanner.structured import Grammars, unpack_bitmask
+from lanner.tool_calls import prepare_chat, structured_output
 
 CALC = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression such as 12 * 7",
@@ -55,7 +56,7 @@ def test_openai_agents_sdk_runs_a_tool_loop(srv):
         return calculator(expression)
 
     model = OpenAIChatCompletionsModel(model=srv.model, openai_client=openai.AsyncOpenAI(
-        base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=300))
+        base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=900))
     # required on the first turn; the SDK then resets tool_choice to auto, so the model can answer and stop
     agent = Agent(name="math", instructions="Use the calc tool for arithmetic.", tools=[calc], model=model,
                   model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
@@ -79,7 +80,7 @@ def test_langchain_bind_tools_round_trip(srv):
         return calculator(expression)
 
     llm = ChatOpenAI(model=srv.model, base_url=srv.base + "/v1", api_key="unused", temperature=0, max_tokens=48,
-                     max_retries=0, timeout=300)
+                     max_retries=0, timeout=900)
     history = [HumanMessage("What is 12 * 7? Use the calculator.")]
     ai = llm.bind_tools([calc], tool_choice="required", parallel_tool_calls=False).invoke(history)
     assert len(ai.tool_calls) == 1 and ai.tool_calls[0]["name"] == "calc"
@@ -128,17 +129,17 @@ def test_fifty_required_calls_and_fifty_schemas_all_validate(srv):
               for i in range(50)]
 
     def ask(kw):
-        return srv.client.chat.completions.create(model=srv.model, temperature=0.7, seed=1, max_tokens=48, **kw)
+        return srv.client.chat.completions.create(model=srv.model, temperature=0.7, seed=1, max_tokens=96, **kw)
 
     with ThreadPoolExecutor(100) as pool:
         results = list(pool.map(ask, calls + people))
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (CALC, WEATHER)}
     for r in results[:50]:
-        assert r.choices[0].finish_reason == "tool_calls"
+        assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
         (call,) = r.choices[0].message.tool_calls
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     for r in results[50:]:
-        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message
         jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
 
 
@@ -206,3 +207,28 @@ def test_bad_input_is_a_400_naming_the_field(srv, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     ok = srv.client.chat.completions.create(model=srv.model, messages=ASK, max_tokens=4)  # others run on
     assert ok.choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------------------------- grammar unit
+def test_grammar_forces_cuts_and_caches(srv):
+    """Forced tokens of a named tool are its call prefix; a draft is cut at the first token the grammar rejects;
+    each verify row's mask allows the forced token; equal constraints compile once."""
+    engine = srv.engine.engine
+    tok = engine.tokenizer
+    grammars = Grammars(tok.hf, engine.model_config.vocab_size, engine.eos_token_ids)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    state = grammars.state(structured_output([CALC, WEATHER], named), 16)
+    grammars.state(structured_output([CALC, WEATHER], named), 16)
+    assert (grammars.misses, grammars.hits) == (1, 1)
+    forced = state.forced_tokens(16)
+    assert tok.decode(forced).startswith('<tool_call>\n{"name": "get_weather", "arguments')
+    good = tok.hf.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"', add_special_tokens=False)
+    bad = tok.hf.encode('<tool_call>\n{"name": "calculator"', add_special_tokens=False)
+    n, masks = state.check_draft(good)
+    assert n == len(good) and masks.shape[0] == n + 1
+    bits = unpack_bitmask(masks, engine.model_config.vocab_size)
+    assert all(bits[i, t] for i, t in enumerate(good))
+    assert bits[0].sum() < 10  # after nothing, only ways to start "<tool_call>" are legal
+    cut = next(i for i, (a, b) in enumerate(zip(good, bad)) if a != b)
+    assert state.check_draft(bad)[0] == cut
+    assert state.forced_tokens(16) == forced  # check_draft left the matcher where it was

@@ -16,6 +16,7 @@ to a logits row + advance), without the model.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -135,16 +136,19 @@ def run(args, engine_options: dict) -> dict:
         lengths = masked["lengths"]
         for mode in MODES:
             r = masked if mode == "masked" else run_mode(llm, work, mode, lengths, args.max_tokens, conc)
-            if mode != "free":
-                assert r["texts"] == masked["texts"], f"{mode}: greedy output differs from the masked run"
+            # greedy: every constrained mode should write the masked run's text (exactly so in float32)
+            r["same_text_as_masked"] = None if mode == "free" else r["texts"] == masked["texts"]
             results.append(r)
+            print(f"concurrency {conc} {mode}: {r['output_tokens']} tokens in {r['wall_s']:.1f}s, tau "
+                  f"{fmt(r['tau'], 2)}", file=sys.stderr, flush=True)
     cost = mask_cost(llm, work, results[1]["token_ids"])
-    headers = ["mode", "concurrency", "output tokens", "tok/s", "x free", "tau"]
+    headers = ["mode", "concurrency", "output tokens", "tok/s", "x free", "tau", "text = masked"]
     rows = []
     for r in results:
         free = next(f for f in results if f["mode"] == "free" and f["concurrency"] == r["concurrency"])
         rows.append([r["mode"], r["concurrency"], r["output_tokens"], fmt(r["tok_s"]),
-                     fmt(r["tok_s"] / free["tok_s"], 2), fmt(r["tau"], 2)])
+                     fmt(r["tok_s"] / free["tok_s"], 2), fmt(r["tau"], 2),
+                     {None: "", True: "yes", False: "NO"}[r["same_text_as_masked"]]])
     print(markdown_table(headers, rows))
     print(f"\nmask overhead: {cost['us_per_token']:.0f} us per token (fill + advance {cost['fill_accept_us']:.0f}, "
           f"apply to a {llm.engine.grammars.vocab_size}-token row {cost['apply_us']:.0f}) over {cost['tokens']} "
