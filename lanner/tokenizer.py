@@ -53,7 +53,8 @@ class Tokenizer:
         texts: list[str] = []
 
         def hide(value, key=None):
-            if isinstance(value, str) and key not in _STRUCTURAL_KEYS:
+            # an empty string stays empty: a placeholder would be truthy and change the template's branches
+            if isinstance(value, str) and value and key not in _STRUCTURAL_KEYS:
                 texts.append(value)
                 return f"LANNER{nonce}T{len(texts) - 1}E"
             if isinstance(value, dict):
