@@ -32,6 +32,7 @@ class SamplingParams:
     # RCSD data generation only: after each target token the draft writes this many tokens that are accepted
     # WITHOUT verification (the output is not the target's). Greedy only; needs a draft. 0: off.
     unverified_draft: int = 0
+    user: str | None = None  # the API's `user`: speculation drafts from this user's earlier outputs only
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -69,6 +70,8 @@ class SamplingParams:
             bad("unverified_draft", f"must be an integer in 0..8, got {self.unverified_draft!r}")
         if self.unverified_draft and self.temperature != 0:
             bad("unverified_draft", "needs greedy decoding (temperature 0)")
+        if self.user is not None and not isinstance(self.user, str):
+            bad("user", f"must be a string, got {self.user!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
 
