@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from lanner.config import DTYPES, KV_TIERS, EngineConfig
+from lanner.config import DTYPES, KV_TIERS, SPEC_KINDS, SPEC_MAX_TOKENS, EngineConfig
 from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 
 SUBCOMMANDS = []
@@ -82,9 +82,11 @@ def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
                    help="longest wait of any tensor-parallel collective: a rank that dies or hangs is an error "
                         "within it")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec", choices=["auto", "ngram", "draft", "none"], default="auto",
-                   help="draft proposer: n-gram prompt lookup, or a draft (--draft) head/model; 'auto': the shipped "
-                        "draft head on the bundled model (or --draft when given), plain decoding elsewhere")
+    g.add_argument("--spec", choices=["auto", *SPEC_KINDS, "none"], default="auto",
+                   help="draft proposer: n-gram prompt lookup, a draft (--draft) head/model, 'suffix' (suffix index "
+                        "over the request and earlier outputs), or 'hybrid' (suffix or draft head per request and "
+                        "step); 'auto': hybrid with the shipped head on the bundled model (or --draft when given), "
+                        "plain decoding elsewhere")
     g.add_argument("--no-spec", dest="spec", action="store_const", const="none",
                    help="plain decoding (same as --spec none)")
     g.add_argument("--draft", default=None,
@@ -92,6 +94,8 @@ def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
                         "folder (config.json + model.safetensors) or a smaller model sharing the tokenizer")
     g.add_argument("--spec-tokens", type=int, default=_ENGINE_DEFAULTS["spec_tokens"],
                    help="draft tokens verified per step (1..8; default: 3 with a draft, 5 with n-grams)")
+    g.add_argument("--spec-max-tokens", type=int, default=_ENGINE_DEFAULTS["spec_max_tokens"],
+                   help=f"most tokens of a suffix draft (suffix, hybrid; 1..{SPEC_MAX_TOKENS})")
     g.add_argument("--spec-max-batch", type=int, default=_ENGINE_DEFAULTS["spec_max_batch"],
                    help="speculate only while at most this many requests run")
     g = p.add_argument_group("UlaCache: sparse decoding over a tiered KV store (CPU)")
@@ -125,7 +129,7 @@ def engine_kwargs(args) -> dict:
                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching, max_queue_len=args.max_queue_len,
-                  spec=args.spec, draft=args.draft, spec_tokens=args.spec_tokens,
+                  spec=args.spec, draft=args.draft, spec_tokens=args.spec_tokens, spec_max_tokens=args.spec_max_tokens,
                   spec_max_batch=args.spec_max_batch, plugin=args.plugin,
                   plugin_options=plugin_options(args.plugin_option) or None, plugin_verify=args.plugin_verify,
                   tp=tp_size_arg(args), tp_timeout_s=args.tp_timeout, kv_tier=args.kv_tier,

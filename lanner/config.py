@@ -9,6 +9,8 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_TIERS = ("ula-dp", "ula-tp", "hisparse", "gpu-only")
+SPEC_KINDS = ("ngram", "draft", "suffix", "hybrid")
+SPEC_MAX_TOKENS = 32  # longest suffix draft: 33 verify rows per request stay within lowlat's default 72 at batch 2
 
 
 @dataclass
@@ -26,14 +28,18 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     skip_tokenizer: bool = False  # token ids in and out only
-    # "auto": the shipped draft head (draft "default") on the bundled model it was trained for, a given `draft`
-    # elsewhere, else plain decoding; None / "none": plain; "ngram" (prompt lookup); "draft" (needs `draft`).
-    # Resolved here, so `spec` is None, "ngram" or "draft" after construction
+    # "auto": hybrid (suffix drafts or the shipped draft head, per step) on the bundled model the head was trained
+    # for, a given `draft` elsewhere, else plain decoding; None / "none": plain; "ngram" (prompt lookup); "draft"
+    # (needs `draft`); "suffix" (lanner.spec.suffix); "hybrid" (suffix or draft per request and step,
+    # lanner.spec.hybrid; needs `draft`, "default" on the bundled model). Resolved here, so `spec` is None or one of
+    # SPEC_KINDS after construction
     spec: str | None = "auto"
     draft: str | None = None  # "default", "hass", "mtp", a head folder, or a smaller model with the same tokenizer
     # k: draft tokens verified per step. None: 5 for n-grams; 3 for drafts (the shipped head's tau is flat beyond
     # 3 steps, and each step costs a head forward: README "Draft heads")
     spec_tokens: int | None = None
+    # suffix drafts: at most this many tokens (fewer when the match is shorter; lanner.spec.suffix)
+    spec_max_tokens: int = 16
     # speculate only while at most this many requests run: on the 2-core CPU, n-gram drafting (tau ~1.7 on chat)
     # gained 1.08x at 1 request, broke even at 2-4 and lost at 8 (0.86x) and 16 (0.70x): results/bench_spec_batch
     spec_max_batch: int = 4
@@ -81,21 +87,28 @@ class EngineConfig:
             raise ValueError("dtype: float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
-        if self.spec not in (None, "none", "auto", "ngram", "draft"):
-            raise ValueError(f"spec: must be 'auto', 'ngram', 'draft' or None/'none', got {self.spec!r}")
+        if self.spec not in (None, "none", "auto", *SPEC_KINDS):
+            raise ValueError(f"spec: must be 'auto', {', '.join(map(repr, SPEC_KINDS))} or None/'none', "
+                             f"got {self.spec!r}")
         if self.kv_tier is not None:
             self._check_kv_tier()
         if self.spec == "auto":
             if self.draft is not None:
                 self.spec = "draft"
             else:
-                self.spec, self.draft = ("draft", "default") if is_bundled_model(self.model) else (None, None)
+                self.spec, self.draft = ("hybrid", "default") if is_bundled_model(self.model) else (None, None)
         elif self.spec == "none":
             self.spec = None
         if self.spec_tokens is None:
             self.spec_tokens = 5 if self.spec == "ngram" else 3
-        if self.spec == "draft" and not self.draft:
-            raise ValueError("draft: spec='draft' needs a draft model path")
+        if self.spec == "hybrid" and not self.draft and is_bundled_model(self.model):
+            self.draft = "default"
+        if self.spec in ("draft", "hybrid") and not self.draft:
+            raise ValueError(f"draft: spec={self.spec!r} needs a draft model path")
+        if isinstance(self.spec_max_tokens, bool) or not isinstance(self.spec_max_tokens, int) or \
+                not 1 <= self.spec_max_tokens <= SPEC_MAX_TOKENS:
+            raise ValueError(f"spec_max_tokens: must be an integer in 1..{SPEC_MAX_TOKENS}, "
+                             f"got {self.spec_max_tokens!r}")
         if self.plugin_verify < 0:
             raise ValueError("plugin_verify: must be >= 0")
         if self.plugin_options is not None and not (isinstance(self.plugin_options, dict) and all(
@@ -145,6 +158,15 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be a positive integer")
         if self.sparse_budget < self.sparse_page:
             raise ValueError("sparse_budget: must be at least sparse_page")
+
+    @property
+    def draft_limit(self) -> int:
+        """Most draft tokens a request may verify per step: suffix drafts reach spec_max_tokens, others k."""
+        if self.spec == "suffix":
+            return self.spec_max_tokens
+        if self.spec == "hybrid":
+            return max(self.spec_max_tokens, self.spec_tokens)
+        return self.spec_tokens
 
     @property
     def torch_dtype(self) -> torch.dtype:

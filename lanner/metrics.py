@@ -42,6 +42,17 @@ class EngineMetrics:
                                            registry=r)
         self.spec_accepted_at = Counter("lanner_spec_accepted_tokens", "Accepted draft tokens by chain position",
                                         ["position"], registry=r)
+        # per proposer: hybrid speculation drafts each request's step from the suffix index or the head
+        self.spec_proposer_steps = Counter("lanner_spec_proposer_verify_steps", "Verify steps by the proposer "
+                                           "that drafted them", ["proposer"], registry=r)
+        self.spec_proposer_draft_tokens = Counter("lanner_spec_proposer_draft_tokens", "Draft tokens proposed, by "
+                                                  "proposer", ["proposer"], registry=r)
+        self.spec_proposer_accepted_tokens = Counter("lanner_spec_proposer_accepted_tokens", "Draft tokens "
+                                                     "accepted, by proposer", ["proposer"], registry=r)
+        self.spec_propose_seconds = Counter("lanner_spec_propose_seconds", "Time spent drafting (all requests of a "
+                                            "step together), by the engine's proposer", ["proposer"], registry=r)
+        self.spec_propose_steps = Counter("lanner_spec_propose_steps", "Engine steps that drafted, by the "
+                                          "engine's proposer", ["proposer"], registry=r)
 
         self.plugin_steps = Counter("lanner_plugin_steps", "Model calls by the plugin that ran them ('none': the "
                                     "engine's own forward) and step kind", ["plugin", "kind"], registry=r)

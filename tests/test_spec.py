@@ -40,13 +40,13 @@ def plain_outputs(llm32):  # llm32 speculates by default: opt out per request
 
 def test_speculation_is_on_by_default_with_the_shipped_head(llm32, plain_outputs, tmp_path):
     cfg = llm32.engine.config
-    assert (cfg.spec, cfg.draft, cfg.spec_tokens) == ("draft", "default", 3)
-    assert isinstance(llm32.engine.proposer, DraftHeadProposer)
+    assert (cfg.spec, cfg.draft, cfg.spec_tokens) == ("hybrid", "default", 3)
+    assert isinstance(llm32.engine.proposer.head, DraftHeadProposer)
     alone = [llm32.generate(p, GREEDY)[0] for p in PROMPTS[:4]]
     assert [o.token_ids for o in alone] == plain_outputs[:4]
     assert all(o.metrics["spec_verify_steps"] > 0 for o in alone)
     # the bundled model by path gets the head too; opt-outs and models it was not trained for decode plainly
-    assert EngineConfig(model=default_model_path()).spec == "draft"
+    assert EngineConfig(model=default_model_path()).spec == "hybrid"
     assert EngineConfig(model=str(tmp_path)).spec is None
     assert EngineConfig(spec=None).spec is None and EngineConfig(spec="none").draft is None
     assert (EngineConfig(spec="ngram").spec_tokens, EngineConfig(draft="hass").spec) == (5, "draft")

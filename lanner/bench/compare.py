@@ -35,6 +35,10 @@ def add_arguments(p, name: str, concurrency: str):
     p.add_argument("--compare", default=None, metavar="PLUGIN",
                    help="also run the benchmark with --plugin PLUGIN (e.g. 'none') in its own engine, loaded "
                         "after the first is freed, and report the ratios of the two")
+    p.add_argument("--systems", default=None, metavar="SPEC[,SPEC...]",
+                   help="speculation systems to run one after the other, each in its own engine, with ratios "
+                        "against the first: none (plain), ngram, suffix, draft, hybrid (e.g. "
+                        "'none,ngram,suffix,draft,hybrid'); 'draft' and 'hybrid' use --draft or the shipped head")
     p.add_argument("--json", default=None, help=f"result file (default: OUT_DIR/{name}.json)")
     p.add_argument("--png", default=None, help="chart file (default: the --json path with .png)")
     p.add_argument("--out-dir", default="results", help="folder for the result files when --json is not given")
@@ -107,11 +111,28 @@ def summarize(system: str, concurrency: int, records: list[dict], wall: float) -
 
 # ------------------------------------------------------------------ systems
 
-def systems(engine_options: dict, compare: str | None) -> list[tuple[str, dict]]:
+def systems(engine_options: dict, compare: str | None, spec_systems: str | None = None) -> list[tuple[str, dict]]:
     """[(name, engine options)]: the --plugin system, then the --compare one. Plugin options stay with the
-    plugins they name, so the compare system gets only those for its own plugins."""
+    plugins they name, so the compare system gets only those for its own plugins. With --systems: one system per
+    speculation kind instead, all with the --plugin options."""
     from lanner.config import EngineConfig
 
+    if spec_systems is not None:
+        if compare is not None:
+            sys.exit("lanner: error: --systems and --compare: give one of them")
+        out = []
+        for name in (n.strip() for n in spec_systems.split(",")):
+            spec = None if name == "none" else name
+            draft = (engine_options.get("draft") or "default") if spec in ("draft", "hybrid") else None
+            options = engine_options | {"spec": spec, "draft": draft}
+            try:
+                EngineConfig(**options)
+            except ValueError as e:
+                sys.exit(f"lanner: error: --systems: {name}: {e}")
+            out.append((name, options))
+        if len({n for n, _ in out}) != len(out):
+            sys.exit("lanner: error: --systems: a system is named twice")
+        return out
     first = engine_options.get("plugin") or "none"
     out = [(first, engine_options)]
     if compare is not None:
@@ -159,7 +180,7 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
     png_path = args.png or png_path
     # the engine must not cap concurrency below the level being measured
     engine_options = engine_options | {"max_num_seqs": max(engine_options["max_num_seqs"], levels[-1])}
-    configs = systems(engine_options, args.compare)
+    configs = systems(engine_options, args.compare, getattr(args, "systems", None))
     rows, tokens, infos, work, warm, meta = [], {}, [], None, None, {}
     for sys_name, options in configs:
         llm = _load(sys_name, options)
@@ -174,9 +195,10 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
         run_sessions(engine, warm, levels[-1], f"{sys_name} warm-up")
         tokens[sys_name] = {}
         for c in levels:
+            before = spec_counters(engine)
             records, wall = run_sessions(engine, work[c], c, f"{sys_name} c={c}")
             tokens[sys_name][c] = {(r["session"], r["turn"]): r["token_ids"] for r in records}
-            rows.append(summarize(sys_name, c, records, wall))
+            rows.append(summarize(sys_name, c, records, wall) | spec_summary(before, spec_counters(engine)))
         infos.append({"name": sys_name, "plugin": options.get("plugin"),
                       "plugin_options": options.get("plugin_options"), "plugins": _plugin_state(engine)})
         device = engine.config.device
@@ -188,9 +210,10 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
     result = {"benchmark": name.removeprefix("bench_"), **meta, **extra, "levels_concurrency": levels,
               "engine": {k: v for k, v in engine_options.items() if k not in ("model", "plugin", "plugin_options")},
               "systems": infos, "levels": rows}
-    if len(configs) == 2:
-        a, b = (n for n, _ in configs)
-        result["comparison"] = comparison(rows, a, b, tokens)
+    if len(configs) >= 2:  # every system against the first (--systems) / the --plugin system against --compare
+        names = [n for n, _ in configs]
+        pairs = [(n, names[0]) for n in names[1:]] if getattr(args, "systems", None) else [(names[0], names[1])]
+        result["comparison"] = [c for a, b in pairs for c in comparison(rows, a, b, tokens)]
     report.write_json(json_path, result)
     env = meta["env"]
     speed_chart(png_path, rows, [n for n, _ in configs], levels,
@@ -202,6 +225,33 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
                   f"to the engine's own forward): {info['plugins']['disabled']}", file=sys.stderr)
     print(f"\nwrote {json_path} and {png_path}")
     return result
+
+
+def spec_counters(engine) -> dict:
+    """The engine's speculation counters now, per proposer label."""
+    reg, out = engine.metrics.registry, {}
+    for metric in reg.collect():
+        if metric.name.startswith(("lanner_spec_proposer_", "lanner_spec_propose_")):
+            for s in metric.samples:
+                if s.name.endswith("_total"):
+                    out[(s.name.removesuffix("_total"), s.labels["proposer"])] = s.value
+    return out
+
+
+def spec_summary(before: dict, after: dict) -> dict:
+    """Speculation over one level: tau (tokens per verify step, bonus included), drafting ms per engine step
+    that drafted, and per proposer the verify steps, drafted and accepted tokens."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    per: dict = {}
+    for (name, proposer), v in delta.items():
+        if name.startswith("lanner_spec_proposer_") and v:
+            per.setdefault(proposer, {})[name.removeprefix("lanner_spec_proposer_")] = int(v)
+    steps = sum(p.get("verify_steps", 0) for p in per.values())
+    accepted = sum(p.get("accepted_tokens", 0) for p in per.values())
+    secs = sum(v for (n, _), v in delta.items() if n == "lanner_spec_propose_seconds")
+    calls = sum(v for (n, _), v in delta.items() if n == "lanner_spec_propose_steps")
+    return {"spec_tau": (accepted + steps) / steps if steps else None,
+            "spec_propose_ms_per_step": 1000 * secs / calls if calls else None, "spec_by_proposer": per}
 
 
 def comparison(rows: list[dict], a: str, b: str, tokens: dict) -> list[dict]:
@@ -225,20 +275,25 @@ def comparison(rows: list[dict], a: str, b: str, tokens: dict) -> list[dict]:
 def format_tables(result: dict) -> str:
     f = report.fmt
     rows = [[r["system"], r["concurrency"], r["turns"], f(r["speed_p50_tok_s"]), f(r["speed_p10_tok_s"]),
+             f(r.get("spec_tau"), 2), f(r.get("spec_propose_ms_per_step"), 3),
              f(r["ttft_p50_s"] and r["ttft_p50_s"] * 1000), f(r["ttft_p90_s"] and r["ttft_p90_s"] * 1000),
              f(r["output_tok_s"]), f(r["wall_s"]),
              f(r["cached_prompt_frac"] and 100 * r["cached_prompt_frac"], 0)] for r in result["levels"]]
-    text = report.markdown_table(["system", "concurrency", "requests", "speed P50 tok/s", "speed P10 tok/s",
-                                  "TTFT P50 ms", "TTFT P90 ms", "output tok/s", "wall s", "prompt cached %"], rows)
+    text = report.markdown_table(["system", "concurrency", "requests", "speed P50 tok/s", "speed P10 tok/s", "tau",
+                                  "draft ms/step", "TTFT P50 ms", "TTFT P90 ms", "output tok/s", "wall s",
+                                  "prompt cached %"], rows)
+    if result.get("suffix_step_ms_8k") is not None:
+        text += (f"\n\nsuffix drafting per step at an 8k-token context (index 4 new tokens, draft up to 16): "
+                 f"{result['suffix_step_ms_8k']:.3f} ms")
     text += ("\n\n(speed: per-user decode speed of each request, (tokens - 1) / (last token - first token); "
              "P10 = the slow tail, the speed 90% of requests exceed)")
     if "comparison" in result:
         c0 = result["comparison"][0]
-        rows = [[c["concurrency"], f(c["speed_p50_tok_s_ratio"], 2), f(c["speed_p10_tok_s_ratio"], 2),
+        rows = [[c["system"], c["concurrency"], f(c["speed_p50_tok_s_ratio"], 2), f(c["speed_p10_tok_s_ratio"], 2),
                  f(c["ttft_p50_s_ratio"], 2), f(c["output_tok_s_ratio"], 2),
                  f"{c['greedy_identical_turns']}/{c['turns']}"] for c in result["comparison"]]
-        text += f"\n\n{c0['system']} vs {c0['baseline']}:\n\n" + report.markdown_table(
-            ["concurrency", "speed P50 ratio", "speed P10 ratio", "TTFT P50 ratio", "output tok/s ratio",
+        text += f"\n\nagainst {c0['baseline']}:\n\n" + report.markdown_table(
+            ["system", "concurrency", "speed P50 ratio", "speed P10 ratio", "TTFT P50 ratio", "output tok/s ratio",
              "greedy identical"], rows)
     return text
 
@@ -249,7 +304,7 @@ def speed_chart(path: str, rows: list[dict], system_names: list[str], levels: li
 
     plt = report._pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    colors = ["#3b6ea8", "#e0873a", "#5a9e5a", "#9467bd"]
+    colors = ["#3b6ea8", "#e0873a", "#5a9e5a", "#9467bd", "#c44e52", "#8c8c8c"]
     for i, name in enumerate(system_names):
         mine = sorted((r for r in rows if r["system"] == name), key=lambda r: r["concurrency"])
         x = [r["concurrency"] for r in mine]

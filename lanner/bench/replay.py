@@ -59,7 +59,13 @@ def run(args, engine_options: dict) -> dict:
         sys.exit(f"lanner: error: {e}")
 
     def workload(engine, level):
-        return build_workload(engine, sessions, f"replay c={level}")
+        turns = build_workload(engine, sessions, f"replay c={level}")
+        if "suffix_step_ms_8k" not in extra and getattr(args, "systems", None):
+            # the suffix index's per-step cost at an 8k-token context, on this workload's text
+            from lanner.spec.suffix import step_cost_ms
+
+            extra["suffix_step_ms_8k"] = step_cost_ms([t for s in turns for t in s[-1].prompt_ids])
+        return turns
 
     def warmup(engine, level):  # first-call overheads; its own tag keeps it out of the measured prefixes
         return build_workload(engine, sessions[:level], "warm-up", max_tokens=4, first_turn_only=True)

@@ -24,7 +24,9 @@ from lanner.plugins import Hardware, PluginVerifyError, StepKind
 from lanner.spec.draft_head import DraftHead, is_draft_head
 from lanner.spec.drafts import MTP, resolve_draft
 from lanner.spec.mtp import MtpProposer, load_mtp
+from lanner.spec.hybrid import HybridProposer
 from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
+from lanner.spec.suffix import SuffixProposer
 from lanner.spec.verify import verify_chain
 from lanner.structured import FieldError, Grammars, apply_bitmask, propose_drafts
 from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -104,7 +106,7 @@ class LLMEngine:
     def _build_cache(self, config: EngineConfig):
         """The paged KV cache, its scheduler, the model runner and the draft proposer."""
         per_token = ModelRunner.bytes_per_token(self.model, config.torch_dtype)
-        draft_kind, draft_model = self._load_draft() if config.spec == "draft" else (None, None)
+        draft_kind, draft_model = self._load_draft() if config.spec in ("draft", "hybrid") else (None, None)
         if draft_model is not None:  # the draft's pool shares the target's block tables, so it shares the budget
             per_token += ModelRunner.bytes_per_token(draft_model.model_cfg if draft_kind == "head" else draft_model,
                                                      config.torch_dtype)
@@ -133,6 +135,10 @@ class LLMEngine:
         elif draft_kind == "model":
             with tp_disabled():
                 self.proposer = DraftModelProposer(draft_model, *args)
+        if config.spec == "suffix":
+            self.proposer = SuffixProposer()
+        elif config.spec == "hybrid":
+            self.proposer = HybridProposer(SuffixProposer(), self.proposer, config.spec_tokens)
         self.kv_summary = (f"{self.num_blocks} KV blocks x {config.block_size} tokens "
                            f"({self.num_blocks * config.block_size * per_token / 2**30:.2f} GiB"
                            + (f" on each of {config.tp} ranks)" if config.tp > 1 else ")"))
@@ -183,7 +189,7 @@ class LLMEngine:
         if p.has_penalties or p.logprobs is not None or p.logit_bias:  # the verifier applies none of them
             return 0
         # constrained requests also draft the tokens their grammar forces (lanner.structured.propose_drafts)
-        k = max(self.config.spec_tokens if self.proposer is not None else 0,
+        k = max(self.config.draft_limit if self.proposer is not None else 0,
                 self.config.grammar_draft_tokens if req.grammar is not None else 0)
         return min(k, req.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
 
@@ -271,6 +277,8 @@ class LLMEngine:
         if req is None or req.finished:
             return None
         self.scheduler.finish(req, "abort")
+        if self.proposer is not None:
+            self.proposer.finish(req)
         self._observe_finish(req)
         self._update_gauges()  # no step may follow (the last request was aborted): refresh KV/queue gauges now
         return self._output(req)
@@ -294,9 +302,13 @@ class LLMEngine:
             try:
                 spec = [it for it in items if it.num_spec > 0]
                 if spec:
+                    t0 = time.perf_counter()
                     with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
-                        propose_drafts(self.proposer, spec, self.config.spec_tokens,
+                        propose_drafts(self.proposer, spec, self.config.draft_limit,
                                        self.config.grammar_draft_tokens > 0)
+                    if self.proposer is not None:
+                        self.metrics.spec_propose_seconds.labels(self.proposer.name).inc(time.perf_counter() - t0)
+                        self.metrics.spec_propose_steps.labels(self.proposer.name).inc()
                 chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
                                    it.request.block_table, "all" if it.draft else "last" if it.samples else "none")
                           for it in items]
@@ -362,7 +374,9 @@ class LLMEngine:
                         if reason:
                             break
                     # count what was emitted: a stop inside the accepted chain drops the tokens after it
-                    self._record_spec(req, len(it.draft), min(len(tokens) - 1, n_out), n_out)
+                    source = "grammar" if not it.num_proposed else \
+                        req.spec_state.source if req.spec_state is not None else self.proposer.name
+                    self._record_spec(req, len(it.draft), min(len(tokens) - 1, n_out), n_out, source)
                 else:
                     req.num_computed += it.num_tokens
                     if it.samples:
@@ -388,8 +402,10 @@ class LLMEngine:
             self._finish(req, "error")
         self._update_gauges()
 
-    def _record_spec(self, req: Request, proposed: int, accepted: int, emitted: int):
+    def _record_spec(self, req: Request, proposed: int, accepted: int, emitted: int, source: str):
         req.spec_steps += 1
+        req.spec_drafted[source] = req.spec_drafted.get(source, 0) + proposed
+        req.spec_accepted[source] = req.spec_accepted.get(source, 0) + accepted
         req.spec_emitted += emitted
         if len(req.spec_accepted_at) < proposed:
             req.spec_accepted_at.extend([0] * (proposed - len(req.spec_accepted_at)))
@@ -398,6 +414,9 @@ class LLMEngine:
         m = self.metrics
         m.spec_verify_steps.inc()
         m.spec_draft_tokens.inc(proposed)
+        m.spec_proposer_steps.labels(source).inc()
+        m.spec_proposer_draft_tokens.labels(source).inc(proposed)
+        m.spec_proposer_accepted_tokens.labels(source).inc(accepted)
         m.spec_emitted_tokens.inc(emitted)
         for i in range(accepted):
             m.spec_accepted_at.labels(str(i + 1)).inc()
@@ -438,6 +457,8 @@ class LLMEngine:
         # builds no output: _output() consumes the pending delta, so only the output actually returned may call it
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
+        if self.proposer is not None and reason != "error":
+            self.proposer.finish(req)  # e.g. the suffix proposer keeps finished outputs to draft from
         self._observe_finish(req)
 
     def _observe_finish(self, req: Request):

@@ -54,6 +54,9 @@ class Request:
         self.num_preemptions = 0
         self.draft_computed = 0  # positions whose KV the draft holds
         self.pending_feats = None  # draft head: target features of positions draft_computed.. not yet consumed
+        self.spec_state = None  # suffix / hybrid speculation: lanner.spec.suffix.SpecState
+        self.spec_drafted: dict[str, int] = {}  # draft tokens proposed, by proposer
+        self.spec_accepted: dict[str, int] = {}  # draft tokens accepted, by proposer
         self.spec_steps = 0  # verify steps
         self.spec_emitted = 0  # tokens emitted by verify steps (accepted drafts + 1 each)
         self.spec_accepted_at: list[int] = []  # [i]: verify steps whose draft token i+1 was accepted
@@ -107,4 +110,6 @@ class Request:
             "spec_accept_length": self.spec_emitted / self.spec_steps if self.spec_steps else None,
             "spec_verify_steps": self.spec_steps,
             "spec_accepted_per_position": list(self.spec_accepted_at),
+            "spec_draft_tokens": dict(self.spec_drafted),  # by proposer
+            "spec_accepted_tokens": dict(self.spec_accepted),  # by proposer
         }

@@ -40,6 +40,7 @@ class SamplingParams:
     unverified_draft: int = 0
     # constrained decoding (lanner.structured): a JSON schema, any JSON object, or tool calls
     structured: StructuredOutput | None = None
+    user: str | None = None  # the API's `user`: speculation drafts from this user's earlier outputs only
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -86,6 +87,8 @@ class SamplingParams:
                 isinstance(t, int) and t >= 0 and isinstance(b, (int, float)) and -100 <= b <= 100
                 for t, b in self.logit_bias.items()):
             bad("logit_bias", "must map non-negative token ids to values in [-100, 100]")
+        if self.user is not None and not isinstance(self.user, str):
+            bad("user", f"must be a string, got {self.user!r}")
 
     @property
     def greedy(self) -> bool:

@@ -117,7 +117,9 @@ def _usage(out: RequestOutput) -> Usage:
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=m.get("cached_prompt_tokens", 0)),
                  spec_accept_length=m.get("spec_accept_length"),
-                 spec_accepted_per_position=m.get("spec_accepted_per_position") if m.get("spec_verify_steps") else None)
+                 spec_accepted_per_position=m.get("spec_accepted_per_position") if m.get("spec_verify_steps") else None,
+                 spec_draft_tokens=m.get("spec_draft_tokens") or None,
+                 spec_accepted_tokens=m.get("spec_accepted_tokens") if m.get("spec_draft_tokens") else None)
 
 
 def _sse(obj) -> str:
@@ -204,7 +206,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             return SamplingParams(max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
                                   skip_special_tokens=body.skip_special_tokens,
-                                  include_stop_str_in_output=body.include_stop_str_in_output, **kw)
+                                  include_stop_str_in_output=body.include_stop_str_in_output, user=body.user, **kw)
         except ValueError as e:  # SamplingParams names the field first: "top_p: must be in (0, 1]"
             param = str(e).split(":", 1)[0]
             param = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(param, param)

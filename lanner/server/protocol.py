@@ -149,6 +149,9 @@ class Usage(BaseModel):
     # speculative decoding (Lanner extension): mean tokens per verify step, bonus included; None when off
     spec_accept_length: float | None = None
     spec_accepted_per_position: list[int] | None = None
+    # draft tokens proposed / accepted per proposer ("suffix", "draft-head", ...); None when off
+    spec_draft_tokens: dict[str, int] | None = None
+    spec_accepted_tokens: dict[str, int] | None = None
 
 
 class TopLogprob(BaseModel):

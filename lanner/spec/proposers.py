@@ -26,6 +26,9 @@ class Proposer:
     def after_verify(self, req, num_proposed: int, num_accepted: int, tokens_before: int):
         """Called once the target verified; lets stateful proposers roll their KV back."""
 
+    def finish(self, req):
+        """Called when a request finishes or is aborted (not on errors)."""
+
 
 class NgramProposer(Proposer):
     """Prompt lookup: the longest suffix (max_n..min_n tokens) that occurred earlier in the request's own

@@ -1,0 +1,134 @@
+"""Suffix drafts (after SuffixDecoding, arXiv 2411.04975): continuations of the longest recent match, scored by
+how often they followed it.
+
+Two indexes, both C++ (csrc/suffix.cpp, a suffix trie truncated at `depth` tokens, nodes addressed by a hash of
+their context):
+- per request, over its prompt + output, kept on the request and extended by the tokens verified since the last
+  step (O(new tokens * depth));
+- one shared index over finished outputs, capped at `shared_tokens` tokens with the oldest output evicted first,
+  scoped by the request's `user`: a scope seeds every hash, so one user's outputs never draft for another.
+
+Per request the proposer drafts from both and keeps the draft with the higher score (the expected number of
+accepted tokens if the frequencies were the target's probabilities: the sum of the running products of
+count / total). A draft is at most min(k, factor * match length) tokens and stops where the running probability
+falls below `min_prob`. Drafts carry no probabilities (q is one-hot), which rejection sampling handles exactly.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import deque
+from pathlib import Path
+
+from lanner.spec.proposers import Proposer
+
+log = logging.getLogger("lanner")
+SOURCE = Path(__file__).resolve().parent / "csrc" / "suffix.cpp"
+_ext: dict = {}
+
+
+def extension():
+    """The compiled index (built once per source version into torch's extension cache, ~20 s the first time)."""
+    if "module" not in _ext:
+        from torch.utils.cpp_extension import load as cpp_load
+
+        t0 = time.perf_counter()
+        _ext["module"] = cpp_load(name="lanner_spec_suffix", sources=[str(SOURCE)], extra_cflags=["-O3"])
+        log.info("spec: suffix index ready in %.1fs", time.perf_counter() - t0)
+    return _ext["module"]
+
+
+def scope_of(user: str | None) -> int:
+    """A stable 64-bit hash seed per user; requests without a user share scope 1."""
+    if user is None:
+        return 1
+    return int.from_bytes(hashlib.blake2b(user.encode(), digest_size=8).digest(), "little") | 2
+
+
+class SpecState:
+    """What speculation keeps per request (Request.spec_state)."""
+
+    def __init__(self, index):
+        self.index = index  # SuffixIndex over the request's prompt + output
+        self.source: str | None = None  # the proposer that drafted this request's last step
+        self.head_accepted: float | None = None  # hybrid: running mean of the head's accepted tokens per step
+
+
+class SuffixProposer(Proposer):
+    name = "suffix"
+
+    def __init__(self, depth: int = 24, factor: float = 1.0, min_prob: float = 0.1,
+                 shared_tokens: int = 1 << 20):
+        self.depth, self.factor, self.min_prob = depth, factor, min_prob
+        self.ext = extension()
+        self.shared = self.ext.SuffixIndex(depth)
+        self.shared_tokens = shared_tokens
+        self.documents: deque[tuple[list[int], int, int]] = deque()  # (tokens, first counted, scope), oldest first
+        self.stored_tokens = 0
+
+    def state(self, req) -> SpecState:
+        """The request's state with its own index brought up to its verified tokens."""
+        st = req.spec_state
+        if st is None:
+            st = req.spec_state = SpecState(self.ext.SuffixIndex(self.depth))
+        n = st.index.length()
+        if n < req.num_tokens:
+            st.index.extend(req.all_ids[n:])
+        return st
+
+    def draft(self, req, k: int) -> tuple[list[int], float]:
+        """-> (draft tokens, score) for one request: the better of its own index's and the shared index's."""
+        st = self.state(req)
+        if k <= 0:
+            return [], 0.0
+        own, _, own_score = st.index.draft_own(k, self.factor, self.min_prob)
+        tail = req.all_ids[-self.depth:]
+        shared, _, shared_score = self.shared.draft(tail, scope_of(req.params.user), k, self.factor, self.min_prob)
+        return (shared, shared_score) if shared_score > own_score else (own, own_score)
+
+    def propose(self, requests, ks):
+        out = []
+        for r, k in zip(requests, ks):
+            tokens, _ = self.draft(r, k)
+            r.spec_state.source = self.name
+            out.append((tokens, None))
+        return out
+
+    def finish(self, req):
+        """A finished request's output joins the shared index (with `depth` prompt tokens of context before it);
+        the oldest outputs leave while the index holds more than shared_tokens tokens."""
+        if not req.output_ids or self.shared_tokens == 0:
+            return
+        ctx = req.prompt_ids[-self.depth:]
+        doc, scope = ctx + list(req.output_ids), scope_of(req.params.user)
+        self.shared.add(doc, len(ctx), scope, 1)
+        self.documents.append((doc, len(ctx), scope))
+        self.stored_tokens += len(doc) - len(ctx)
+        while self.stored_tokens > self.shared_tokens and self.documents:
+            old, start, old_scope = self.documents.popleft()
+            self.shared.add(old, start, old_scope, -1)
+            self.stored_tokens -= len(old) - start
+
+
+def step_cost_ms(tokens: list[int], context: int = 8192, new_per_step: int = 4, k: int = 16,
+                 steps: int = 500) -> float:
+    """Mean per-step cost of a request's suffix drafting at a `context`-token context: index `new_per_step` new
+    tokens, then draft up to k tokens from the own and the shared index. `tokens` (real text, repeated to length)
+    supplies the context and the steps' new tokens."""
+    from types import SimpleNamespace
+
+    need = context + steps * new_per_step
+    text = (tokens * (need // max(1, len(tokens)) + 1))[:need]
+    proposer = SuffixProposer()
+    params = SimpleNamespace(user=None)
+    finished = SimpleNamespace(prompt_ids=text[:64], output_ids=text[: context // 2], params=params)
+    proposer.finish(finished)  # a shared index with content, as in a serving process
+    req = SimpleNamespace(all_ids=text[:context], spec_state=None, params=params, num_tokens=context)
+    proposer.draft(req, k)  # builds the request's index over its prompt (prefill-time work, not per step)
+    t0 = time.perf_counter()
+    for s in range(context, need, new_per_step):
+        req.all_ids.extend(text[s : s + new_per_step])
+        req.num_tokens = len(req.all_ids)
+        proposer.draft(req, k)
+    return (time.perf_counter() - t0) / steps * 1000

@@ -1,0 +1,139 @@
+"""Suffix and hybrid speculation: the suffix index's drafts, the shared index's scoping and eviction, option
+errors, and losslessness on the real model (greedy, float32: token-identical to plain decoding at batch 1, in
+mixed batches of 4 and with prefix-cache hits)."""
+import re
+
+import pytest
+
+from lanner import LLM, SamplingParams
+from lanner.cli import build_parser, engine_kwargs
+from lanner.config import EngineConfig
+from lanner.spec.hybrid import HybridProposer
+from lanner.spec.suffix import SuffixProposer, extension, scope_of, step_cost_ms
+
+PROMPTS = [
+    "Repeat exactly: red, green, blue, red, green, blue, red, green, blue",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n# Now a loop version:\n",
+    "Hi",
+    "List the planets of the solar system in order.",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+class Req:
+    """The fields of lanner.engine.request.Request the proposer reads."""
+
+    def __init__(self, ids, user=None, prompt_len=None):
+        self.all_ids, self.spec_state = list(ids), None
+        self.prompt_ids = self.all_ids[: prompt_len if prompt_len is not None else len(ids)]
+        self.output_ids = self.all_ids[len(self.prompt_ids):]
+        self.params = SamplingParams(user=user)
+
+    @property
+    def num_tokens(self):
+        return len(self.all_ids)
+
+
+def test_index_drafts_the_most_frequent_continuation_up_to_the_match_length():
+    index = extension().SuffixIndex(8)
+    index.extend([7, 1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
+    tokens, match, score = index.draft_own(16, 1.0, 0.0)
+    # the longest earlier context of the tail is "1 2 3" (then 9 twice, 4 once); at most 3 tokens for a 3-match
+    assert (tokens, match) == ([9, 1, 2], 3) and abs(score - 3 * 2 / 3) < 1e-9
+    assert index.draft_own(1, 1.0, 0.0)[0] == [9]
+    index.extend([6])  # "1 2 3 6" never occurred: no context ending in 6 has a continuation beyond one token
+    assert index.draft_own(16, 1.0, 0.0)[0] == []
+    # min_prob cuts the draft where its running probability drops below it
+    index = extension().SuffixIndex(8)
+    index.extend([5, 1, 2, 5, 1, 3, 5, 1, 4, 5])
+    assert index.draft_own(4, 4.0, 0.0)[0][0] == 1
+    assert len(index.draft_own(4, 4.0, 0.5)[0]) == 1  # "5 -> 1" is certain, then 2 / 3 / 4 each 1/3
+
+
+def test_shared_index_is_scoped_by_user_and_evicts_oldest_first():
+    proposer = SuffixProposer(depth=8, shared_tokens=30)
+    text = list(range(100, 120))
+    proposer.finish(Req([1, 2, 3] + text, user="alice", prompt_len=3))
+    query = [50, 51] + text[:6]  # the request's own text never saw this continuation
+    assert proposer.draft(Req(query, user="alice"), 8)[0] == text[6:12]  # as long as the 6-token match
+    assert proposer.draft(Req(query, user="bob"), 8)[0] == []  # another user's outputs never draft
+    assert proposer.draft(Req(query), 8)[0] == []
+    proposer.finish(Req([4] + list(range(200, 220)), user="bob", prompt_len=1))  # 40 tokens > 30: alice's leaves
+    assert proposer.stored_tokens == 20 and proposer.draft(Req(query, user="alice"), 8)[0] == []
+    assert proposer.draft(Req([9] + list(range(200, 205)), user="bob"), 4)[0] == [205, 206, 207, 208]
+
+
+def test_step_cost_is_measured_at_an_8k_context():
+    ms = step_cost_ms(list(range(1000)) * 3, steps=50)
+    assert 0 < ms < 50  # sanity only: the benchmark prints the figure, tests do not time
+
+
+def test_options_are_validated_and_the_cli_passes_them():
+    for bad in (0, 33, 2.0):
+        with pytest.raises(ValueError, match="spec_max_tokens"):
+            EngineConfig(spec="suffix", spec_max_tokens=bad)
+    with pytest.raises(ValueError, match="spec"):
+        EngineConfig(spec="tree")
+    assert (EngineConfig().spec, EngineConfig().draft) == ("hybrid", "default")
+    assert EngineConfig(spec="suffix", spec_max_tokens=24).draft_limit == 24
+    kw = engine_kwargs(build_parser().parse_args(["generate", "x", "--spec", "suffix", "--spec-max-tokens", "8"]))
+    assert (kw["spec"], kw["spec_max_tokens"]) == ("suffix", 8)
+    with pytest.raises(ValueError, match="user"):
+        SamplingParams(user=3)
+
+
+@pytest.fixture(scope="module")
+def plain(llm32):
+    outs = llm32.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("spec", ["suffix", "hybrid"])
+def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plain):
+    llm = llm32 if spec == "hybrid" else LLM(dtype="float32", spec="suffix", max_num_seqs=16)
+    assert isinstance(llm.engine.proposer, HybridProposer if spec == "hybrid" else SuffixProposer)
+    alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+    assert [o.token_ids for o in alone] == plain
+    # a mixed batch of 4 (one opts out), the prompts now in the prefix cache and the outputs in the shared index
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False),
+              GREEDY]
+    batch = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in batch] == plain
+    assert all(o.metrics["cached_prompt_tokens"] > 0 for o in batch if o.metrics["prompt_tokens"] >= 32)
+    assert batch[2].metrics["spec_verify_steps"] == 0
+    drafted = [o.metrics["spec_draft_tokens"] for o in alone + batch]
+    accepted = sum(sum(o.metrics["spec_accepted_tokens"].values()) for o in alone + batch)
+    assert any("suffix" in d for d in drafted) and accepted > 0
+    # a repetition the suffix index predicts: several tokens per step
+    assert batch[0].metrics["spec_accept_length"] > 2.0
+    assert llm.engine.block_manager.num_used == 0
+
+
+def test_server_passes_user_and_reports_drafts_per_proposer():
+    import httpx
+    import openai
+    from conftest import serve
+
+    from lanner.engine.async_engine import AsyncEngine
+    from lanner.engine.llm_engine import LLMEngine
+    from lanner.server.app import build_app
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", spec="suffix")))
+    try:
+        with serve(build_app(engine)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none")
+            ask = dict(model=engine.model_name, max_tokens=24, temperature=0,
+                       messages=[{"role": "user", "content": PROMPTS[0]}])
+            first = client.chat.completions.create(user="alice", **ask).usage.model_dump()
+            assert first["spec_draft_tokens"]["suffix"] > 0
+            assert 0 < first["spec_accepted_tokens"]["suffix"] <= first["spec_draft_tokens"]["suffix"]
+            shared = engine.engine.proposer
+            text = httpx.get(f"{url}/metrics").text
+            drafted = float(re.search(r'^lanner_spec_proposer_draft_tokens_total\{proposer="suffix"\} (\S+)', text,
+                                      re.MULTILINE).group(1))
+            assert drafted == first["spec_draft_tokens"]["suffix"]
+            assert 'lanner_spec_proposer_accepted_tokens_total{proposer="suffix"}' in text
+            # alice's finished output joined the shared index under her scope
+            assert [d[2] for d in shared.documents] == [scope_of("alice")]
+    finally:
+        engine.shutdown()
