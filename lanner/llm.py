@@ -72,7 +72,7 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm)
         while pending or self.engine.has_unfinished():
-            while pending and len(self.engine.scheduler.waiting) < self.engine.config.max_queue_len:
+            while pending and self.engine.has_room():
                 self.engine.enqueue(pending.pop(0))
             for out in self.engine.step():
                 if out.finished:

@@ -49,6 +49,22 @@ class AsyncEngine:
         return self.engine.model_name
 
     @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def metrics(self):
+        return self.engine.metrics
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def close_engine(self):
+        """Stops the engine's tensor-parallel workers (after the loop has stopped)."""
+        self.engine.close()
+
+    @property
     def is_healthy(self) -> bool:
         return self.error is None
 
@@ -208,8 +224,7 @@ class AsyncEngine:
                 log.exception("engine loop: abort of %s failed", rid)
                 self.engine.requests.pop(rid, None)
         if self.engine.has_unfinished():  # an abort failed too: drop what is left rather than spin on it
-            self.engine.scheduler.waiting.clear()
-            self.engine.scheduler.running.clear()
+            self.engine.drop_all()
         for rid, (loop, queue) in list(self._streams.items()):
             self._put(loop, queue, _error_output(rid, message))
         self._streams.clear()

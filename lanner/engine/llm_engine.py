@@ -286,6 +286,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    def has_room(self) -> bool:
+        """Whether the waiting queue takes another request now (enqueue refuses one beyond max_queue_len)."""
+        return len(self.scheduler.waiting) < self.config.max_queue_len
+
+    def drop_all(self):
+        """Forgets every queued and running request without finishing them: the last resort of a loop whose
+        aborts fail too, so it cannot spin on the same failure."""
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        self.requests.clear()
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         if self.failed is not None:

@@ -159,7 +159,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     app.add_middleware(BodyLimitMiddleware, limit=max_body_bytes)
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    tokens = _TokenText(engine.engine.tokenizer)
+    tokens = _TokenText(engine.tokenizer)
     auth = (401,) if api_key else ()
     generate_errors = (400, *auth, 404, 413, 503)
     install_openapi(app, {"/v1/chat/completions": generate_errors, "/v1/completions": generate_errors,
@@ -297,12 +297,12 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                               "description": "Prometheus text exposition format"}})
     async def metrics():
-        return Response(engine.engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=engine.model_name, created=int(time.time()),
-                                         max_model_len=engine.engine.max_model_len)])
+                                         max_model_len=engine.max_model_len)])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -314,7 +314,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
         params = sampling_params(body, max_tokens, field, (body.top_logprobs or 0) if body.logprobs else None,
                                  "top_logprobs")
         try:  # off the event loop: a long conversation takes a while to tokenize, a schema to compile
-            prompt_ids, params.structured = await asyncio.to_thread(tools.chat_prompt, engine.engine.tokenizer, body)
+            prompt_ids, params.structured = await asyncio.to_thread(tools.chat_prompt, engine.tokenizer, body)
         except tools.FieldError as e:
             raise APIError(400, str(e), e.param) from None
         except Exception as e:  # noqa: BLE001 - no template, or the template itself rejects the conversation
@@ -431,4 +431,4 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, 
                        shutdown_grace_s).run()
     finally:
         engine.shutdown()
-        engine.engine.close()  # stops tensor-parallel workers
+        engine.close_engine()  # stops tensor-parallel workers
