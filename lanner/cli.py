@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
                    help="Hugging Face model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=_ENGINE_DEFAULTS["dtype"], help="weights and KV dtype")
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    g.add_argument("--weights", choices=["dequantize", "stored"], default=_ENGINE_DEFAULTS["weights"],
+                   help="GGUF files: dequantize to --dtype at load, or keep Q4_0/Q4_1/Q5_0/Q8_0 blocks as stored "
+                        "(docs/quantized.md)")
     g.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS["block_size"],
                    help="tokens per KV-cache block (a power of two)")
     g.add_argument("--kv-cache-memory", default=_ENGINE_DEFAULTS["kv_cache_memory"],
@@ -119,7 +122,8 @@ def engine_kwargs(args) -> dict:
     bad option fails with its message before any model loading."""
     from lanner.models.loader import ModelSource
 
-    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+    kwargs = dict(model=args.model, dtype=args.dtype, weights=args.weights, device=args.device,
+                  block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching, max_queue_len=args.max_queue_len,

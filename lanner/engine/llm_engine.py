@@ -19,6 +19,7 @@ from lanner.engine.scheduler import QueueFullError, Scheduler
 from lanner.kvcache.block_manager import BlockManager
 from lanner.metrics import EngineMetrics
 from lanner.models.loader import ModelSource, load_config, load_model
+from lanner.models.quant import weight_bytes
 from lanner.plugins import (
     Hardware,
     PluginRuntime,
@@ -53,7 +54,8 @@ def load_target(config: EngineConfig, hardware: Hardware, metrics=None):
     source = ModelSource.resolve(config.model)
     loaded_config = load_config(source)
     plugins = select_plugins(config.plugin, loaded_config[0], hardware, config.plugin_options)
-    model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config)
+    model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config, config.weights)
+    log.info("weights: %.1f MiB (%s)", weight_bytes(model) / 2**20, config.weights)
     plugin_bytes = build_plugins(plugins, model, model_config, hardware, metrics)
     runtime = PluginRuntime(plugins, metrics, config.plugin_verify) if plugins else None
     return model, model_config, runtime, plugin_bytes
