@@ -196,11 +196,31 @@ def _gguf_weights(reader, cfg: ModelConfig, skip=frozenset()):
 
 # ---------------------------------------------------------------- entry points
 
+def open_gguf(path: str):
+    """A GGUFReader over `path` whose every tensor is of a type Lanner can load and lies inside the file; a clear
+    error naming the cause otherwise."""
+    import gguf
+    from gguf.quants import _type_traits
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader fails with whatever numpy / struct raise on a bad header
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
+    size = os.path.getsize(path)
+    dense = {"F32", "F16", "BF16"}
+    for t in reader.tensors:
+        if t.tensor_type.name not in dense and t.tensor_type not in _type_traits:
+            raise UnsupportedModelError(f"{path}: tensor {t.name!r} has GGML type {t.tensor_type.name}, which Lanner "
+                                        f"cannot load (it reads F32/F16/BF16 and the gguf package's block types)")
+        if t.data_offset + t.n_bytes > size:
+            raise ValueError(f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes}"
+                             f", the file has {size}")
+    return reader
+
+
 def load_config(source: ModelSource):
     if source.kind == "gguf":
-        import gguf
-
-        reader = gguf.GGUFReader(source.path)
+        reader = open_gguf(source.path)
         cfg, freq_factors = gguf_config(reader)
         return cfg, freq_factors, reader
     cfg = json.load(open(os.path.join(source.path, "config.json")))
