@@ -343,15 +343,24 @@ def run_chat(args):
 
 @subcommand
 def add_bench(sub):
-    from lanner.bench import fixed, kv, latency, memory, replay, sessions, throughput
+    from lanner.bench import (
+        fixed,
+        kv,
+        latency,
+        memory,
+        quant,
+        replay,
+        sessions,
+        throughput,
+    )
 
     p = new_parser(sub, "bench", "Measure latency and throughput.",
                    "Measure Lanner's speed. Each benchmark prints a markdown table and writes a JSON file and "
                    "a PNG chart.")
-    bench = p.add_subparsers(dest="benchmark", metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory}",
+    bench = p.add_subparsers(dest="benchmark", metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory,quant}",
                              required=True)
     for module, name in ((latency, "latency"), (throughput, "throughput"), (replay, "replay"), (fixed, "fixed"),
-                         (sessions, "make-sessions"), (kv, "kv"), (memory, "memory")):
+                         (sessions, "make-sessions"), (kv, "kv"), (memory, "memory"), (quant, "quant")):
         b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
         module.add_arguments(b)
         sweep = name in ("latency", "memory")  # these compare tensor-parallel sizes: --tp 1,2

@@ -160,7 +160,7 @@ def test_bad_gguf_files(tmp_path):
 
     good = write("ok.gguf", "llama", gguf.GGMLQuantizationType.Q8_0)
     assert len(open_gguf(good).tensors) == 1
-    data = open(good, "rb").read()
+    data = (tmp_path / "ok.gguf").read_bytes()
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(data[:-40])
     with pytest.raises(ValueError, match="cut.gguf.*truncated"):

@@ -31,7 +31,7 @@ def run_peer(model_path: str, prompt_ids: list[list[int]], warm_ids: list[int], 
            "threads": threads, "gpu": device.startswith("cuda")}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run([sys.executable, "-m", "lanner.bench.llamacpp"], input=json.dumps(job), env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise RuntimeError(f"llama.cpp peer exited with {proc.returncode}: {' | '.join(tail)}")
@@ -46,6 +46,7 @@ def _main():
     n_ctx = max(len(ids) for ids in job["prompts"] + [job["warm"]]) + job["max_tokens"] + 8
     llm = Llama(model_path=job["model"], n_ctx=n_ctx, n_threads=job["threads"], n_threads_batch=job["threads"],
                 n_gpu_layers=-1 if job["gpu"] else 0, verbose=False)
+    n_vocab = llm.n_vocab()
 
     def generate(ids, n):
         tokens, gaps, ttft, spent = [], [], None, 0.0
@@ -54,7 +55,8 @@ def _main():
             t1 = time.perf_counter()
             if ttft is None:
                 ttft = t1 - t0
-            row = np.asarray(llm.scores[llm.n_tokens - 1])  # the logits this token was picked from
+            # the logits this token was picked from: the context's last row (scores are kept only with logits_all)
+            row = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))
             top2 = np.partition(row, -2)[-2:]
             gaps.append(float(top2[1] - top2[0]))
             tokens.append(int(tok))

@@ -55,7 +55,6 @@ def load_target(config: EngineConfig, hardware: Hardware, metrics=None):
     loaded_config = load_config(source)
     plugins = select_plugins(config.plugin, loaded_config[0], hardware, config.plugin_options)
     model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config, config.weights)
-    log.info("weights: %.1f MiB (%s)", weight_bytes(model) / 2**20, config.weights)
     plugin_bytes = build_plugins(plugins, model, model_config, hardware, metrics)
     runtime = PluginRuntime(plugins, metrics, config.plugin_verify) if plugins else None
     return model, model_config, runtime, plugin_bytes
@@ -112,6 +111,8 @@ class LLMEngine:
         self.hardware = Hardware.detect(config.device, config.torch_dtype, tp_size(), tp_rank())
         self.model, self.model_config, self.plugins, self.plugin_bytes = load_target(config, self.hardware,
                                                                                      self.metrics)
+        self.weight_bytes = weight_bytes(self.model)  # before the KV cache is sized: the budget sees what is left
+        log.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, config.weights)
         # skip_tokenizer: token ids in and out only (like vLLM's skip_tokenizer_init), e.g. for tokenizer-less models
         self.tokenizer = None if config.skip_tokenizer else Tokenizer(self.source, self.model_config.eos_token_ids)
         self.eos_token_ids = self.model_config.eos_token_ids if self.tokenizer is None else \

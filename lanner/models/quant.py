@@ -170,7 +170,11 @@ def stored_plan(model: nn.Module, tensors, hf_name) -> dict[str, tuple]:
     A module qualifies when all its pieces are of STORED_TYPES with one format and its class is one we replace
     (column / row linear, vocab embedding) on a single rank."""
     from lanner.distributed import tp_size
-    from lanner.distributed.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from lanner.distributed.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
 
     if tp_size() > 1:
         return {}

@@ -62,8 +62,9 @@ class LowLatPlugin(Plugin):
         if unknown:
             raise ValueError(f"plugin lowlat: unknown option(s) {unknown}; it takes {sorted(self.OPTIONS)}")
         for k, v in options.items():
+            # a usage error, like the others (bool is an int to isinstance: only a bool option takes one)
             if not isinstance(v, self.OPTIONS[k]) or (isinstance(v, bool) and self.OPTIONS[k] is not bool):
-                raise ValueError(f"plugin lowlat: option {k}={v!r} has the wrong type")  # noqa: TRY004
+                raise ValueError(f"plugin lowlat: option {k}={v!r} has the wrong type")
         self.threads = options.get("threads")
         self.max_rows = options.get("max_rows", 72)
         self.prefill_rows = options.get("prefill_rows", 72)

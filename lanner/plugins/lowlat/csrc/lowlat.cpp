@@ -498,6 +498,11 @@ struct Model {
   // batch invariance: a row's attention arithmetic depends only on its own context length (PyTorch's flash
   // attention, which the default path mirrors, switches exp variants at the padded batch's length)
   bool invariant = false;
+  // per-phase seconds seen by thread 0 (profile = true): GEMV, attention, barrier waits, the rest (norms, RoPE,
+  // KV writes, residuals, embedding), the stored-type LM head (qlinear); prof_calls: forwards + LM-head calls
+  bool profile = false;
+  std::vector<double> prof = std::vector<double>(5, 0.0);
+  int64_t prof_calls = 0;
   // tensor parallelism (set_tp): this rank's heads / intermediate / vocab rows are its shards of the weights;
   // the embedding holds vocab rows [vocab0, vocab0 + vocab) of vocab_total
   Comm comm;
@@ -1143,6 +1148,14 @@ struct Model {
       XT* xin = buf<XT>(off_xin + tid * xin_stride);
       thread_local std::vector<float> S, O;
       thread_local Route rt;
+      auto t_last = std::chrono::steady_clock::now();
+      // thread 0 books the time since its last mark to phase `slot` (0 GEMV, 1 attention, 2 barrier, 3 other)
+      auto mark = [&](int slot) {
+        if (!profile || tid != 0) return;
+        const auto now = std::chrono::steady_clock::now();
+        prof[slot] += std::chrono::duration<double>(now - t_last).count();
+        t_last = now;
+      };
       int64_t a, b, s = comm.seq;  // s: this step's next collective
       // embedding (under TP: this rank's vocab rows, zeros elsewhere, summed over the ranks)
       if (tp) {
@@ -1166,7 +1179,9 @@ struct Model {
         rmsnorm<WT, XT>(x, ptr<WT>(in_norm[l]), xin, 0, T);
         int64_t h0, h1;
         split(H + 2 * Hkv, 1, tid, nt, h0, h1);
+        mark(3);
         mm<WT, XT>(q_qkv[l], qkv_w[l], hidden, h0 * D, h1 * D, xin, hidden, M, qkv, nqkv, tid);
+        mark(0);
         {
           const WT* bias = has_bias ? ptr<WT>(qkv_b[l]) : nullptr;
           const WT* qn = qk_norm ? ptr<WT>(q_norm[l]) : nullptr;
@@ -1202,22 +1217,29 @@ struct Model {
             }
           }
         }
+        mark(3);
 #pragma omp barrier
+        mark(2);
         // --- attention over the paged cache: items (sequence, q head), round robin
         for (int64_t it = tid; it < B * H; it += nt) {
           const int64_t sb = it / H, h = it % H;
           attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, bts[sb], bs, kcs[l], vcs[l], h, ain, S, O);
         }
+        mark(1);
 #pragma omp barrier
+        mark(2);
         if (l == dbg_layer) snap(ain, T * H * D, tid);
         // --- o_proj + residual
         split(hidden, 16, tid, nt, a, b);
         mm<WT, XT>(q_o[l], o_w[l], H * D, a, b, ain, H * D, M, tmp, hidden, tid);
+        mark(0);
         if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
         for (int64_t t = 0; t < T; t++)
           for (int64_t n = a; n < b; n++)
             x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+        mark(3);
 #pragma omp barrier
+        mark(2);
         if (l == dbg_layer) snap(x, T * hidden, tid);
         // --- MLP: norm (private) -> gate/up rows [a, b) of both halves -> SiLU(gate) * up
         rmsnorm<WT, XT>(x, ptr<WT>(post_norm[l]), xin, 0, T);
@@ -1232,20 +1254,27 @@ struct Model {
           continue;
         }
         split(inter, 16, tid, nt, a, b);
+        mark(3);
         mm<WT, XT>(q_gu[l], gu_w[l], hidden, a, b, xin, hidden, M, gu, 2 * inter, tid);
         mm<WT, XT>(q_gu[l], gu_w[l], hidden, inter + a, inter + b, xin, hidden, M, gu, 2 * inter, tid, false);
+        mark(0);
         for (int64_t t = 0; t < T; t++)
           silu_mul<WT, XT>(gu + t * 2 * inter + a, gu + t * 2 * inter + inter + a, act + t * inter + a, b - a);
+        mark(3);
 #pragma omp barrier
+        mark(2);
         if (l == dbg_layer) snap(act, T * inter, tid);
         // --- down + residual
         split(hidden, 16, tid, nt, a, b);
         mm<WT, XT>(q_down[l], down_w[l], inter, a, b, act, inter, M, tmp, hidden, tid);
+        mark(0);
         if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
         for (int64_t t = 0; t < T; t++)
           for (int64_t n = a; n < b; n++)
             x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+        mark(3);
 #pragma omp barrier
+        mark(2);
         if (cap_at[l] != nullptr) {
           split(T, 1, tid, nt, a, b);
           for (int64_t t = a; t < b; t++)
@@ -1254,8 +1283,10 @@ struct Model {
       }
       split(T, 1, tid, nt, a, b);
       rmsnorm<WT, WT>(x, ptr<WT>(final_norm), out, a, b);
+      mark(3);
       if (tid == 0) seq_end = s;
     }
+    if (profile) prof_calls++;
     comm.seq = seq_end;
     TORCH_CHECK(err.empty(), "lowlat: the tensor-parallel all-reduce failed: ", err);
   }
@@ -1459,6 +1490,7 @@ struct Model {
     q_keep.resize(keep);  // the caller holds w for the call
     TORCH_CHECK(q.quant() && q8_stride >= Q8Row::bytes(q.nbp), "lowlat.qlinear: needs set_quant and a weight no "
                 "wider than the model's");
+    const auto t0 = std::chrono::steady_clock::now();
     auto xf = x.to(torch::kFloat32).contiguous();
     auto y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kFloat32));
     const float* xp = xf.data_ptr<float>();
@@ -1472,6 +1504,7 @@ struct Model {
       if (q8) quantize_rows(xp, K, int(M), K, q.nbp, xq, q8_stride);
       qgemv(q, a, b, xp, K, xq, q8_stride, q8, int(M), yp, N);
     }
+    if (profile) prof[4] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return out_float ? y : y.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
   }
 
@@ -1726,6 +1759,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("qlinear", &lowlat::Model::qlinear, pybind11::call_guard<pybind11::gil_scoped_release>(),
            pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("n"), pybind11::arg("out_float") = false)
       .def_readwrite("invariant", &lowlat::Model::invariant)
+      .def_readwrite("profile", &lowlat::Model::profile)
+      .def_readwrite("prof", &lowlat::Model::prof)
+      .def_readwrite("prof_calls", &lowlat::Model::prof_calls)
       .def("test_route", &lowlat::Model::test_route)
       .def_readwrite("record_moe", &lowlat::Model::record_moe)
       .def_readonly("moe_log", &lowlat::Model::moe_log)
