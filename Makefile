@@ -5,7 +5,7 @@ PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test bench peers clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,14 @@ bench: setup
 	$(VENV)/bin/lanner bench throughput --concurrency 1,4,16
 	$(VENV)/bin/lanner bench latency --plugin lowlat --json results/bench_latency_lowlat.json
 	$(VENV)/bin/lanner bench replay --plugin lowlat --compare none --concurrency 1,2,4
+
+# llama.cpp as a benchmark peer (lanner bench latency / quant): llama-cpp-python built from source, ~12 min on
+# 2 cores; never part of `make test`. Explicit x86 features: the default native build emits AMX instructions that
+# some VMs list but do not permit (SIGILL at the first generation)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AVX512_VBMI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+peers: setup
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36
 
 clean:
 	rm -rf $(VENV)

@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
                    help="Hugging Face model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", choices=sorted(DTYPES), default=_ENGINE_DEFAULTS["dtype"], help="weights and KV dtype")
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
+    g.add_argument("--weights", choices=["dequantize", "stored"], default=_ENGINE_DEFAULTS["weights"],
+                   help="GGUF files: dequantize to --dtype at load, or keep Q4_0/Q4_1/Q5_0/Q8_0 blocks as stored "
+                        "(docs/quantized.md)")
     g.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS["block_size"],
                    help="tokens per KV-cache block (a power of two)")
     g.add_argument("--kv-cache-memory", default=_ENGINE_DEFAULTS["kv_cache_memory"],
@@ -125,7 +128,8 @@ def engine_kwargs(args) -> dict:
     bad option fails with its message before any model loading."""
     from lanner.models.loader import ModelSource
 
-    kwargs = dict(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+    kwargs = dict(model=args.model, dtype=args.dtype, weights=args.weights, device=args.device,
+                  block_size=args.block_size,
                   kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                   enable_prefix_caching=not args.no_prefix_caching, max_queue_len=args.max_queue_len,
@@ -351,16 +355,17 @@ def run_chat(args):
 
 @subcommand
 def add_bench(sub):
-    from lanner.bench import fixed, kv, latency, memory, replay, sessions, structured, throughput
+    from lanner.bench import fixed, kv, latency, memory, quant, replay, sessions, structured, throughput
 
     p = new_parser(sub, "bench", "Measure latency and throughput.",
                    "Measure Lanner's speed. Each benchmark prints a markdown table and writes a JSON file and "
                    "a PNG chart.")
     bench = p.add_subparsers(dest="benchmark",
-                             metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory,structured}",
+                             metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory,structured,quant}",
                              required=True)
     for module, name in ((latency, "latency"), (throughput, "throughput"), (replay, "replay"), (fixed, "fixed"),
-                         (sessions, "make-sessions"), (kv, "kv"), (memory, "memory"), (structured, "structured")):
+                         (sessions, "make-sessions"), (kv, "kv"), (memory, "memory"), (structured, "structured"),
+                         (quant, "quant")):
         b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
         module.add_arguments(b)
         sweep = name in ("latency", "memory")  # these compare tensor-parallel sizes: --tp 1,2

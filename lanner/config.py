@@ -17,6 +17,10 @@ SPEC_MAX_TOKENS = 32  # longest suffix draft: 33 verify rows per request stay wi
 class EngineConfig:
     model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
     dtype: str = "bfloat16"
+    # GGUF files: "dequantize" every tensor to `dtype` at load, or "stored": keep Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks
+    # as stored (lanner.models.quant; lowlat runs them with its quantized kernels, the engine's own forward
+    # dequantizes tiles on the fly); other types are dequantized either way
+    weights: str = "dequantize"
     device: str | None = None  # None: cuda if available, else cpu
     block_size: int = 16
     kv_cache_memory: str | float = "auto"  # "auto", GiB ("2GiB" or 2.0 > 1), or a fraction (0 < x <= 1)
@@ -77,6 +81,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in ("dequantize", "stored"):
+            raise ValueError(f"weights: must be 'dequantize' or 'stored', got {self.weights!r}")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (self.device == "cpu" or self.device.startswith("cuda")):

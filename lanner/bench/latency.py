@@ -106,31 +106,12 @@ def bench_hf(source, dtype: str, device: str, prompt_ids, warm_ids, max_tokens: 
     return runs
 
 
-def bench_llama_cpp(source, device: str, prompt_ids, warm_ids, max_tokens: int) -> list[dict]:
-    from llama_cpp import Llama
+def bench_llama_cpp(source, device: str, prompt_ids, warm_ids, max_tokens: int, threads: int) -> list[dict]:
+    """llama.cpp in its own process (lanner.bench.llamacpp), with Lanner's thread count."""
+    from lanner.bench.llamacpp import run_peer
 
-    n_ctx = max(len(ids) for ids in prompt_ids + [warm_ids]) + max_tokens + 8
-    llm = Llama(model_path=source.path, n_ctx=n_ctx, n_gpu_layers=-1 if device.startswith("cuda") else 0,
-                verbose=False)
-
-    def generate(ids, n):
-        tokens, ttft = [], None
-        t0 = time.perf_counter()
-        # the low-level generator never stops on EOS by itself, so stopping at n tokens is ignore_eos
-        for tok in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-            if ttft is None:
-                ttft = time.perf_counter() - t0
-            tokens.append(tok)
-            if len(tokens) == n:
-                break
-        return tokens, time.perf_counter() - t0, ttft
-
-    generate(warm_ids, WARMUP_TOKENS)
-    runs = []
-    for ids in prompt_ids:
-        tokens, total, ttft = generate(ids, max_tokens)
-        runs.append(_run_record(tokens, total, ttft))
-    return runs
+    return [_run_record(r["token_ids"], r["total_s"], r["ttft_s"])
+            for r in run_peer(source.path, prompt_ids, warm_ids, max_tokens, threads, device)]
 
 
 def matched_prefix(a: list[int], b: list[int]) -> int:
@@ -200,18 +181,21 @@ def run(args, engine_options: dict) -> dict:
         runs["hf"] = bench_hf(source, config.dtype, config.device, prompt_ids, warm_ids, args.max_tokens, pad_id)
         systems["hf"] = _summary(runs["hf"])
 
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        systems["llama.cpp"] = _skip("llama-cpp-python not installed")
+    from lanner.bench.llamacpp import available
+
+    if available():
+        systems["llama.cpp"] = _skip(available())
     else:
         if source.kind != "gguf":
             systems["llama.cpp"] = _skip("the model is not a GGUF file")
         else:
             try:
-                runs["llama.cpp"] = bench_llama_cpp(source, config.device, prompt_ids, warm_ids, args.max_tokens)
+                threads = ((config.plugin_options or {}).get("lowlat", {}).get("threads") or torch.get_num_threads())
+                runs["llama.cpp"] = bench_llama_cpp(source, config.device, prompt_ids, warm_ids, args.max_tokens,
+                                                    threads)
                 systems["llama.cpp"] = _summary(runs["llama.cpp"]) | {
-                    "note": "llama.cpp computes on the GGUF's quantized weights, not --dtype"}
+                    "threads": threads, "note": "llama.cpp computes on the GGUF's quantized weights, in its own "
+                    "process"}
             except Exception as e:  # a broken llama.cpp build must not lose the other systems' results
                 systems["llama.cpp"] = _skip(f"llama.cpp failed: {type(e).__name__}: {e}")
 

@@ -20,6 +20,7 @@ from lanner.engine.scheduler import QueueFullError, Scheduler
 from lanner.kvcache.block_manager import BlockManager
 from lanner.metrics import EngineMetrics
 from lanner.models.loader import ModelSource, load_model
+from lanner.models.quant import weight_bytes
 from lanner.plugins import Hardware, PluginVerifyError, StepKind
 from lanner.spec.draft_head import DraftHead, is_draft_head
 from lanner.spec.drafts import MTP, resolve_draft
@@ -88,6 +89,8 @@ class LLMEngine:
         self.hardware = Hardware.detect(config.device, config.torch_dtype, tp_size(), tp_rank())
         self.model, self.model_config, self.plugins, self.plugin_bytes = load_target(config, self.hardware,
                                                                                      self.metrics)
+        self.weight_bytes = weight_bytes(self.model)  # before the KV cache is sized: the budget sees what is left
+        log.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, config.weights)
         # skip_tokenizer: token ids in and out only (like vLLM's skip_tokenizer_init), e.g. for tokenizer-less models
         self.tokenizer = None if config.skip_tokenizer else Tokenizer(self.source, self.model_config.eos_token_ids,
                                                                       self.model_config.architecture)

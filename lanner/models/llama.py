@@ -162,7 +162,10 @@ class LlamaModel(nn.Module):
         return [((a.num_kv_heads, a.head_dim), (a.num_kv_heads, a.head_dim))] * len(self.layers)
 
     def compute_logits(self, hidden):
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if hasattr(head, "matmul"):  # GGUF blocks kept as stored (lanner.models.quant; single rank)
+            return head.matmul(hidden)
+        weight = head.weight
         return parallel_logits(hidden, weight, self.cfg.vocab_size)
 
     def checkpoint_name(self, name: str) -> tuple[str, int] | None:

@@ -179,33 +179,65 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_weights(reader, cfg: ModelConfig):
+def _gguf_name(name: str, architecture: str) -> str:
+    names = _GGUF_NAMES_GEMMA3 if architecture == "gemma3" else _GGUF_NAMES
+    parts = name.split(".")
+    if parts[0] == "blk":
+        return f"layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    return f"{names[parts[0]]}.{parts[1]}"
+
+
+def _gguf_permute(cfg: ModelConfig):
+    """(gguf tensor, rows) -> rows in Hugging Face order (llama q/k rows are interleaved by the converter)."""
+    def permute(t, w):
+        kind = t.name.split(".")[-2]
+        if cfg.architecture == "llama" and kind in ("attn_q", "attn_k"):
+            return _unpermute(w, cfg.num_heads if kind == "attn_q" else cfg.num_kv_heads)
+        return w
+    return permute
+
+
+def _gguf_weights(reader, cfg: ModelConfig, skip=frozenset()):
+    """(name, dense tensor) for every GGUF tensor but those named in `skip` (held in their stored type)."""
     from gguf.quants import dequantize
 
-    names = _GGUF_NAMES_GEMMA3 if cfg.architecture == "gemma3" else _GGUF_NAMES
+    permute = _gguf_permute(cfg)
     for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
+        if t.name == "rope_freqs.weight" or t.name in skip:
             continue
-        parts = t.name.split(".")
-        if parts[0] == "blk":
-            name = f"layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
-        else:
-            name = f"{names[parts[0]]}.{parts[1]}"
-        w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
-        if cfg.architecture == "llama" and parts[-2] in ("attn_q", "attn_k"):
-            w = _unpermute(w, cfg.num_heads if parts[-2] == "attn_q" else cfg.num_kv_heads)
+        w = permute(t, torch.from_numpy(dequantize(t.data, t.tensor_type).copy()))
         if cfg.architecture == "gemma3" and t.name.endswith("norm.weight"):
             w = w - 1  # llama.cpp's converter stores Gemma's norm weights as 1 + w
-        yield name, w
+        yield _gguf_name(t.name, cfg.architecture), w
 
 
 # ---------------------------------------------------------------- entry points
 
+def open_gguf(path: str):
+    """A GGUFReader over `path` whose every tensor is of a type Lanner can load and lies inside the file; a clear
+    error naming the cause otherwise."""
+    import gguf
+    from gguf.quants import _type_traits
+
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # the reader fails with whatever numpy / struct raise on a bad header
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
+    size = os.path.getsize(path)
+    dense = {"F32", "F16", "BF16"}
+    for t in reader.tensors:
+        if t.tensor_type.name not in dense and t.tensor_type not in _type_traits:
+            raise UnsupportedModelError(f"{path}: tensor {t.name!r} has GGML type {t.tensor_type.name}, which Lanner "
+                                        f"cannot load (it reads F32/F16/BF16 and the gguf package's block types)")
+        if t.data_offset + t.n_bytes > size:
+            raise ValueError(f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes}"
+                             f", the file has {size}")
+    return reader
+
+
 def load_config(source: ModelSource):
     if source.kind == "gguf":
-        import gguf
-
-        reader = gguf.GGUFReader(source.path)
+        reader = open_gguf(source.path)
         cfg, freq_factors = gguf_config(reader)
         return cfg, freq_factors, reader
     cfg = json.load(open(os.path.join(source.path, "config.json")))
@@ -227,15 +259,32 @@ def model_class(cfg: ModelConfig):
     return getattr(importlib.import_module(module), name)
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: str, loaded_config=None):
+WEIGHT_MODES = ("dequantize", "stored")
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: str, loaded_config=None, weights: str = "dequantize"):
     """Returns (model, ModelConfig). Builds on the meta device, materializes once, then copies weights in.
-    loaded_config: what load_config(source) returned, when the caller already read it."""
+    loaded_config: what load_config(source) returned, when the caller already read it. weights (GGUF files):
+    "dequantize" to the model dtype, or "stored": quantized tensors of the types lanner.models.quant handles stay
+    in their blocks (the rest is dequantized)."""
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"weights: must be one of {WEIGHT_MODES}, got {weights!r}")
     cfg, freq_factors, reader = loaded_config or load_config(source)
     with torch.device("meta"):
         model = model_class(cfg)(cfg, freq_factors)
+    plan = {}
+    if reader is not None and weights == "stored":
+        from lanner.models import quant
+
+        plan = quant.stored_plan(model, [t for t in reader.tensors if t.name != "rope_freqs.weight"],
+                                 lambda name: _gguf_name(name, cfg.architecture))
+        quant.install(model, plan)
     model = model.to_empty(device=device).to(dtype)
-    weights = _gguf_weights(reader, cfg) if reader is not None else _hf_weights(source.path)
-    model.load_weights(weights)
+    if plan:
+        quant.load_stored(model, plan, dtype, _gguf_permute(cfg))
+    stored = {t.name for _, items in plan.values() for t, _ in items}
+    tensors = _gguf_weights(reader, cfg, stored) if reader is not None else _hf_weights(source.path)
+    model.load_weights(tensors)
     model.init_rotary(device)
     model.eval().requires_grad_(False)
     return model, cfg

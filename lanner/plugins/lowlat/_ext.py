@@ -10,6 +10,7 @@ from pathlib import Path
 log = logging.getLogger("lanner")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "lowlat.cpp"]
+HEADERS = [CSRC / "quant.h"]  # included by lowlat.cpp: their hash goes into the flags so an edit rebuilds
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 _module = None
 compile_seconds: float | None = None  # wall time of the load() that built or found the extension
@@ -30,8 +31,9 @@ def load():
         from torch.utils.cpp_extension import load as cpp_load
 
         t0 = time.perf_counter()
+        headers = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
         _module = cpp_load(name=f"lanner_lowlat_{_cpu_key()}", sources=[str(s) for s in SOURCES],
-                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                           extra_cflags=[*CFLAGS, f"-DLOWLAT_HEADERS={headers}"], extra_ldflags=["-fopenmp"],
                            verbose=os.environ.get("LANNER_LOWLAT_VERBOSE") == "1")
         compile_seconds = time.perf_counter() - t0
         log.info("lowlat: extension ready in %.1fs", compile_seconds)

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 
 from lanner.models.config import SUPPORTED_ARCHITECTURES
+from lanner.models.quant import QuantLinear
 from lanner.plugins.base import (
     Hardware,
     Plugin,
@@ -41,6 +42,11 @@ class LowLatPlugin(Plugin):
         the process group), "shm" (the segment or a build error) or "group" (torch.distributed, gloo);
     timeout_s (tensor parallelism): the longest wait for another rank inside a step (default: half the engine's
         tp_timeout_s, at most 5 s); on timeout every rank aborts the step and the engine reruns it without lowlat.
+    act (GGUF weights kept as stored, EngineConfig.weights="stored"): "q8" (activations quantized to 8 bits per
+        block of 32, as llama.cpp does; integer dot products) or "float" (float32 activations against the exact
+        dequantized weights);
+    invariant: batch-invariant attention (a row's bits do not depend on the other rows of its step); default on
+        with stored-type weights.
     Under TP every rank runs lowlat on its shard and all ranks use the same thread count (the smallest asked)."""
 
     name = "lowlat"
@@ -48,15 +54,17 @@ class LowLatPlugin(Plugin):
     architectures = tuple(sorted(a for a, f in SUPPORTED_ARCHITECTURES.items() if f == "llama"))
     MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
     OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
-                               "isa": str, "allreduce": str, "timeout_s": (int, float)}
+                               "isa": str, "allreduce": str, "timeout_s": (int, float), "act": str,
+                               "invariant": bool}
 
     def __init__(self, **options):
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             raise ValueError(f"plugin lowlat: unknown option(s) {unknown}; it takes {sorted(self.OPTIONS)}")
         for k, v in options.items():
-            if not isinstance(v, self.OPTIONS[k]) or isinstance(v, bool):  # a usage error, like the others:
-                raise ValueError(f"plugin lowlat: option {k}={v!r} has the wrong type")  # noqa: TRY004
+            # a usage error, like the others (bool is an int to isinstance: only a bool option takes one)
+            if not isinstance(v, self.OPTIONS[k]) or (isinstance(v, bool) and self.OPTIONS[k] is not bool):
+                raise ValueError(f"plugin lowlat: option {k}={v!r} has the wrong type")
         self.threads = options.get("threads")
         self.max_rows = options.get("max_rows", 72)
         self.prefill_rows = options.get("prefill_rows", 72)
@@ -64,6 +72,10 @@ class LowLatPlugin(Plugin):
         self.isa = options.get("isa", "auto")
         self.allreduce = options.get("allreduce", "auto")
         self.timeout_s = options.get("timeout_s")
+        self.act = options.get("act", "q8")
+        self.invariant = options.get("invariant")
+        if self.act not in ("q8", "float"):
+            raise ValueError(f"plugin lowlat: act must be 'q8' or 'float', got {self.act!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("plugin lowlat: threads must be >= 1")
         if not 1 <= self.max_rows <= 256:
@@ -85,6 +97,7 @@ class LowLatPlugin(Plugin):
         self._target_id = None
         self._lock = threading.Lock()  # a kernel's buffers serve one forward at a time
         self.hardware = None
+        self.stored = False  # the target holds GGUF blocks as stored (lanner.models.quant)
         self._segment = None  # under TP on one host: the memory segment the ranks sum through (counted as ours)
         # True when a failure is raised on every rank or none (the shared segment's waits agree by themselves), so
         # the engine need not ask the ranks after each call
@@ -145,7 +158,11 @@ class LowLatPlugin(Plugin):
             from lanner.distributed import agree_min
 
             self.threads_used = agree_min(self.threads_used)  # the ranks split the hidden columns alike
-        self.uses_dot = (hardware.dtype == torch.bfloat16 and self.isa == "auto"
+        self.stored = any(isinstance(m, QuantLinear) for m in model.modules())
+        if self.stored and hardware.tp_size > 1:
+            raise PluginMismatch("lowlat: GGUF weights kept as stored run on one rank only")
+        # stored-type kernels take float activations; bf16 dot products are for bf16 weights
+        self.uses_dot = (hardware.dtype == torch.bfloat16 and self.isa == "auto" and not self.stored
                          and "avx512_bf16" in hardware.cpu_flags and ext.have_avx512_bf16)
         self._kernel = self._make_kernel(model)
         self._target_id = id(model)
@@ -329,26 +346,39 @@ class LowLatPlugin(Plugin):
 
         # this rank's shard under TP (heads, intermediate size and vocabulary rows; whole models otherwise)
         inter = next((lyr.mlp.inter for lyr, k in zip(layers, kinds) if k == "dense"), 0)
+
+        def w(mod):  # the dense weight, or an empty [N, 0] stand-in for stored blocks (set_quant passes those)
+            return torch.empty(mod.out_features, 0, dtype=dtype) if isinstance(mod, QuantLinear) else mod.weight.data
+
+        def packed(mod):
+            return mod.packed() if isinstance(mod, QuantLinear) else []
+
         with torch.no_grad():  # the model's own tensors, no copies: the kernel keeps references
-            return self._load_extension().Model(
+            kernel = self._load_extension().Model(
                 c.hidden_size, inter, c.num_layers, att[0].num_heads, att[0].num_kv_heads, c.head_dim,
                 float(c.rms_norm_eps), float(att[0].scale), dtype == torch.bfloat16, self.uses_dot, self.threads_used,
                 self.rows,
-                model.embed_tokens.weight.data,
+                w(model.embed_tokens),
                 [lyr.input_layernorm.weight.data for lyr in layers],
-                [a.qkv_proj.weight.data for a in att],
+                [w(a.qkv_proj) for a in att],
                 [a.qkv_proj.bias.data for a in att] if att[0].qkv_proj.bias is not None else [],
                 [a.q_norm.weight.data for a in att] if att[0].q_norm is not None else [],
                 [a.k_norm.weight.data for a in att] if att[0].k_norm is not None else [],
-                [a.o_proj.weight.data for a in att],
+                [w(a.o_proj) for a in att],
                 [lyr.post_attention_layernorm.weight.data for lyr in layers],
-                per_layer("dense", lambda m: m.gate_up_proj.weight),
-                per_layer("dense", lambda m: m.down_proj.weight),
+                per_layer("dense", lambda m: w(m.gate_up_proj)),
+                per_layer("dense", lambda m: w(m.down_proj)),
                 model.norm.weight.data, model.rotary.cos.float().contiguous(), model.rotary.sin.float().contiguous(),
                 moe_inter, top_k, renorm, [int(k == "moe") for k in kinds],
                 per_layer("moe", lambda m: m.gate.weight),
                 per_layer("moe", lambda m: m.experts.w13),
                 per_layer("moe", lambda m: m.experts.w2))
+        if any(isinstance(m, QuantLinear) for m in model.modules()):
+            ws = [packed(m) for lyr, a in zip(layers, att)
+                  for m in (a.qkv_proj, a.o_proj, getattr(lyr.mlp, "gate_up_proj", None), getattr(lyr.mlp, "down_proj", None))]
+            kernel.set_quant([*ws, packed(model.embed_tokens)], self.act == "q8")
+        kernel.invariant = self.invariant if self.invariant is not None else self.stored
+        return kernel
 
     def _kernel_for(self, model):
         """The target's kernel, or one built on first use for a draft model (the engine builds plugins for the
@@ -379,7 +409,14 @@ class LowLatPlugin(Plugin):
         """model.compute_logits(hidden) through lowlat's GEMV, for the steps lowlat ran (core's logits hook). The
         LM head is the largest single weight (49152 x 576 for the default model: a fifth of the bytes a decode
         step reads), and PyTorch's bf16 GEMV streams it at under half of lowlat's rate."""
-        weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        head = model.embed_tokens if model.lm_head is None else model.lm_head
+        if isinstance(head, QuantLinear):
+            kernel = self._kernel_for(model)
+            if kernel is None or hidden.shape[0] > self.rows:
+                return model.compute_logits(hidden)
+            with self._lock:
+                return kernel.qlinear(hidden.contiguous(), head.packed(), head.out_features)
+        weight = head.weight
         if hidden.shape[0] > self.rows or weight.dtype != self.hardware.dtype:
             return model.compute_logits(hidden)
         if id(model) != self._target_id or self.hardware.tp_size == 1:

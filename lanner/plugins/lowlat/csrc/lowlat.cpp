@@ -366,6 +366,10 @@ static inline void gemv(const WT* W, int64_t K, int64_t n0, int64_t n1, const XT
   gemv_rows<typename KindOf<WT, XT>::type>(W, K, n0, n1, X, ldx, M, out, ldo);
 }
 
+}  // namespace lowlat
+#include "quant.h"
+namespace lowlat {
+
 // ------------------------------------------------------------------------------------------------ TP comm
 // Tensor parallelism: the row-parallel outputs (o_proj, down / MoE experts, the vocab-split embedding) are summed
 // over the ranks inside the forward call, and the vocab-split logits gathered inside `linear_gather`. Ranks on one
@@ -483,6 +487,22 @@ struct Model {
   // [E, hidden, minter]
   std::vector<torch::Tensor> router_w, w13, w2;
   torch::Tensor scratch;  // activations for max_rows rows, exposed so the plugin can account for it
+  // GGUF weights in their stored type (set_quant, quant.h): per layer qkv / o / gate_up / down, and the embedding
+  // (also the LM head); a kDense entry means the dense tensor above. q8: activations quantized per block (else
+  // float); q8 buffers: per thread max_rows rows of q8_stride bytes
+  std::vector<QW> q_qkv, q_o, q_gu, q_down;
+  QW q_embed;
+  std::vector<torch::Tensor> q_keep;
+  bool q8 = true;
+  int64_t off_q8 = 0, q8_stride = 0;
+  // batch invariance: a row's attention arithmetic depends only on its own context length (PyTorch's flash
+  // attention, which the default path mirrors, switches exp variants at the padded batch's length)
+  bool invariant = false;
+  // per-phase seconds seen by thread 0 (profile = true): GEMV, attention, barrier waits, the rest (norms, RoPE,
+  // KV writes, residuals, embedding), the stored-type LM head (qlinear); prof_calls: forwards + LM-head calls
+  bool profile = false;
+  std::vector<double> prof = std::vector<double>(5, 0.0);
+  int64_t prof_calls = 0;
   // tensor parallelism (set_tp): this rank's heads / intermediate / vocab rows are its shards of the weights;
   // the embedding holds vocab rows [vocab0, vocab0 + vocab) of vocab_total
   Comm comm;
@@ -517,6 +537,7 @@ struct Model {
                     sin.is_contiguous() && cos.size(1) == D && sin.sizes() == cos.sizes(),
                 "lowlat: rotary tables must be contiguous float32 [max_pos, head_dim]");
     auto chk = [&](const torch::Tensor& t, std::vector<int64_t> shape, const char* what) {
+      if (shape.size() == 2 && t.dim() == 2 && t.size(0) == shape[0] && t.size(1) == 0) return;  // set_quant's
       TORCH_CHECK(t.scalar_type() == wdt && t.is_contiguous() && t.device().is_cpu() && t.sizes() == shape,
                   "lowlat: ", what, " must be a contiguous CPU ", (bf16 ? "bfloat16" : "float32"), " tensor of shape ",
                   c10::IntArrayRef(shape), ", got ", t.scalar_type(), " ", t.sizes());
@@ -582,11 +603,92 @@ struct Model {
       off_xg = o; xg_stride = al(T * hidden * xs); o += nthreads * xg_stride;
     }
     scratch = torch::zeros({o + 64}, torch::kUInt8);
+    q_qkv.assign(L, QW());
+    q_o.assign(L, QW());
+    q_gu.assign(L, QW());
+    q_down.assign(L, QW());
   }
 
   template <typename X> X* buf(int64_t off) const {
     auto base = reinterpret_cast<uintptr_t>(scratch.data_ptr());
     return reinterpret_cast<X*>((base + 63) / 64 * 64 + off);
+  }
+
+  // a repacked weight from [qs, d(, m)] (lanner/models/quant.py): qs uint8 [N, blocks / 2, 32] is u4 (with m),
+  // int8 [N, blocks, 32] s8
+  QW make_qw(const std::vector<torch::Tensor>& t, int64_t N, int64_t K, const std::string& what) {
+    QW w;
+    if (t.empty()) return w;
+    TORCH_CHECK(t.size() == 2 || t.size() == 3, "lowlat: ", what, ": expected [qs, d] or [qs, d, m]");
+    for (const auto& x : t) TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "lowlat: ", what, ": CPU contiguous");
+    const auto& qs = t[0];
+    w.fmt = qs.scalar_type() == torch::kUInt8 ? kU4 : kS8;
+    w.N = N;
+    w.K = K;
+    w.nbp = t[1].dim() == 2 ? t[1].size(1) : 0;
+    const int64_t want = ((K + 31) / 32 + 1) / 2 * 2;
+    TORCH_CHECK(w.nbp == want && t[1].sizes() == c10::IntArrayRef({N, w.nbp}) && t[1].scalar_type() == at::kShort,
+                "lowlat: ", what, ": scales must be int16 (float16 bits) [", N, ", ", want, "]");
+    if (w.fmt == kU4) {
+      TORCH_CHECK(t.size() == 3 && qs.sizes() == c10::IntArrayRef({N, w.nbp / 2, 32}) && t[2].sizes() == t[1].sizes() &&
+                      t[2].scalar_type() == at::kShort, "lowlat: ", what, ": u4 needs qs [", N, ", ", w.nbp / 2,
+                  ", 32] uint8 and m like d");
+      w.m = reinterpret_cast<const uint16_t*>(t[2].data_ptr());
+    } else {
+      TORCH_CHECK(qs.scalar_type() == at::kChar && qs.sizes() == c10::IntArrayRef({N, w.nbp, 32}),
+                  "lowlat: ", what, ": s8 needs qs int8 [", N, ", ", w.nbp, ", 32]");
+    }
+    w.qs = reinterpret_cast<const uint8_t*>(qs.data_ptr());
+    w.d = reinterpret_cast<const uint16_t*>(t[1].data_ptr());
+    for (const auto& x : t) q_keep.push_back(x);
+    return w;
+  }
+
+  // GGUF weights in their stored type: ws = per layer [qkv, o, gate_up, down] (4 L entries, an empty list for a
+  // dense one), then the embedding; act_q8: q8 (else float) activations. Sizes the q8 buffers.
+  void set_quant(std::vector<std::vector<torch::Tensor>> ws, bool act_q8) {
+    TORCH_CHECK((int64_t)ws.size() == 4 * L + 1, "lowlat.set_quant: expected ", 4 * L + 1, " weights");
+    TORCH_CHECK(!dot, "lowlat: stored-type weights take float activations (no bf16 dot products)");
+    const int64_t nqkv = (H + 2 * Hkv) * D;
+    int64_t nbp_max = 0;
+    for (int64_t l = 0; l < L; l++) {
+      TORCH_CHECK(!is_moe[l] || (ws[4 * l + 2].empty() && ws[4 * l + 3].empty()), "lowlat: MoE layers stay dense");
+      q_qkv[l] = make_qw(ws[4 * l], nqkv, hidden, "qkv_proj");
+      q_o[l] = make_qw(ws[4 * l + 1], hidden, H * D, "o_proj");
+      q_gu[l] = make_qw(ws[4 * l + 2], 2 * inter, hidden, "gate_up_proj");
+      q_down[l] = make_qw(ws[4 * l + 3], hidden, inter, "down_proj");
+      for (const QW* w : {&q_qkv[l], &q_o[l], &q_gu[l], &q_down[l]}) nbp_max = std::max(nbp_max, w->nbp);
+    }
+    q_embed = make_qw(ws[4 * L], vocab, hidden, "embed_tokens");
+    nbp_max = std::max(nbp_max, q_embed.nbp);
+    for (int64_t l = 0; l < L; l++) {  // every placeholder must have been supplied
+      TORCH_CHECK((q_qkv[l].quant() || qkv_w[l].numel()) && (q_o[l].quant() || o_w[l].numel()) &&
+                      (is_moe[l] || ((q_gu[l].quant() || gu_w[l].numel()) && (q_down[l].quant() || down_w[l].numel()))),
+                  "lowlat: layer ", l, " lacks a weight (neither dense nor stored)");
+    }
+    TORCH_CHECK(q_embed.quant() || embed.numel(), "lowlat: the embedding is neither dense nor stored");
+    q8 = act_q8;
+    q8_stride = (Q8Row::bytes(nbp_max) + 63) / 64 * 64;
+    off_q8 = scratch.numel();
+    auto grown = torch::zeros({off_q8 + nthreads * max_rows * q8_stride + 64}, torch::kUInt8);
+    grown.narrow(0, 0, off_q8).copy_(scratch);
+    scratch = grown;
+    off_q8 -= 64;  // buf() offsets start at the aligned base, at most 63 bytes in
+    off_q8 = (off_q8 + 63) / 64 * 64;
+  }
+  char* q8buf(int tid) const { return buf<char>(off_q8 + tid * max_rows * q8_stride); }
+
+  // one of the forward's matmuls: the stored-type kernel when the weight is quantized, else the dense GEMV.
+  // quantize=false reuses the q8 rows the previous call left in this thread's buffer (same X)
+  template <typename WT, typename XT>
+  void mm(const QW& q, const torch::Tensor& dense, int64_t K, int64_t n0, int64_t n1, const XT* X, int64_t ldx, int M,
+          float* out, int64_t ldo, int tid, bool quantize = true) const {
+    if (!q.quant()) return gemv<WT, XT>(ptr<WT>(dense), K, n0, n1, X, ldx, M, out, ldo);
+    if constexpr (std::is_same<XT, float>::value) {
+      char* xq = q8buf(tid);
+      if (q8 && quantize) quantize_rows(X, ldx, M, K, q.nbp, xq, q8_stride);
+      qgemv(q, n0, n1, X, ldx, xq, q8_stride, q8, M, out, ldo);
+    }
   }
 
   // Joins a tensor-parallel group of P ranks as `rank`: `segment` is the shared segment (one host; every rank maps
@@ -599,6 +701,7 @@ struct Model {
                     vocab_sizes_[rank] == vocab && timeout_s > 0,
                 "lowlat.set_tp: P >= 2 ranks, rank in 0..P-1, one vocab size per rank (this rank's = ", vocab,
                 ") and a timeout > 0");
+    TORCH_CHECK(!q_embed.quant() && q8_stride == 0, "lowlat: stored-type (GGUF) weights run on one rank only");
     comm = Comm();
     comm.P = P;
     comm.rank = rank;
@@ -780,7 +883,7 @@ struct Model {
         float m = mx[i];
         for (int64_t j = 0; j < n; j++) m = std::max(m, srow[j]);
         const __m512 mv = _mm512_set1_ps(m);
-        const int64_t nvec = std::max<int64_t>(0, std::min(n, vec_end - n0)) / 16 * 16;
+        const int64_t nvec = (invariant ? n : std::max<int64_t>(0, std::min(n, vec_end - n0))) / 16 * 16;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < nvec; j += 16) {
           const __m512 xm = _mm512_sub_ps(_mm512_loadu_ps(srow + j), mv);
@@ -1045,6 +1148,14 @@ struct Model {
       XT* xin = buf<XT>(off_xin + tid * xin_stride);
       thread_local std::vector<float> S, O;
       thread_local Route rt;
+      auto t_last = std::chrono::steady_clock::now();
+      // thread 0 books the time since its last mark to phase `slot` (0 GEMV, 1 attention, 2 barrier, 3 other)
+      auto mark = [&](int slot) {
+        if (!profile || tid != 0) return;
+        const auto now = std::chrono::steady_clock::now();
+        prof[slot] += std::chrono::duration<double>(now - t_last).count();
+        t_last = now;
+      };
       int64_t a, b, s = comm.seq;  // s: this step's next collective
       // embedding (under TP: this rank's vocab rows, zeros elsewhere, summed over the ranks)
       if (tp) {
@@ -1057,8 +1168,10 @@ struct Model {
         for (int64_t t = 0; t < T; t++) std::memcpy(x + t * hidden + a, tmp + t * hidden + a, (b - a) * sizeof(float));
       } else {
         split(T, 1, tid, nt, a, b);
-        for (int64_t t = a; t < b; t++)
-          for (int64_t i = 0; i < hidden; i++) x[t * hidden + i] = ldf(emb, ids[t] * hidden + i);
+        for (int64_t t = a; t < b; t++) {
+          if (q_embed.quant()) qrow(q_embed, ids[t], x + t * hidden);
+          else for (int64_t i = 0; i < hidden; i++) x[t * hidden + i] = ldf(emb, ids[t] * hidden + i);
+        }
       }
 #pragma omp barrier
       for (int64_t l = 0; l < L; l++) {
@@ -1066,7 +1179,9 @@ struct Model {
         rmsnorm<WT, XT>(x, ptr<WT>(in_norm[l]), xin, 0, T);
         int64_t h0, h1;
         split(H + 2 * Hkv, 1, tid, nt, h0, h1);
-        gemv<WT, XT>(ptr<WT>(qkv_w[l]), hidden, h0 * D, h1 * D, xin, hidden, M, qkv, nqkv);
+        mark(3);
+        mm<WT, XT>(q_qkv[l], qkv_w[l], hidden, h0 * D, h1 * D, xin, hidden, M, qkv, nqkv, tid);
+        mark(0);
         {
           const WT* bias = has_bias ? ptr<WT>(qkv_b[l]) : nullptr;
           const WT* qn = qk_norm ? ptr<WT>(q_norm[l]) : nullptr;
@@ -1102,22 +1217,29 @@ struct Model {
             }
           }
         }
+        mark(3);
 #pragma omp barrier
+        mark(2);
         // --- attention over the paged cache: items (sequence, q head), round robin
         for (int64_t it = tid; it < B * H; it += nt) {
           const int64_t sb = it / H, h = it % H;
           attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, bts[sb], bs, kcs[l], vcs[l], h, ain, S, O);
         }
+        mark(1);
 #pragma omp barrier
+        mark(2);
         if (l == dbg_layer) snap(ain, T * H * D, tid);
         // --- o_proj + residual
         split(hidden, 16, tid, nt, a, b);
-        gemv<WT, XT>(ptr<WT>(o_w[l]), H * D, a, b, ain, H * D, M, tmp, hidden);
+        mm<WT, XT>(q_o[l], o_w[l], H * D, a, b, ain, H * D, M, tmp, hidden, tid);
+        mark(0);
         if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
         for (int64_t t = 0; t < T; t++)
           for (int64_t n = a; n < b; n++)
             x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+        mark(3);
 #pragma omp barrier
+        mark(2);
         if (l == dbg_layer) snap(x, T * hidden, tid);
         // --- MLP: norm (private) -> gate/up rows [a, b) of both halves -> SiLU(gate) * up
         rmsnorm<WT, XT>(x, ptr<WT>(post_norm[l]), xin, 0, T);
@@ -1132,21 +1254,27 @@ struct Model {
           continue;
         }
         split(inter, 16, tid, nt, a, b);
-        const WT* guw = ptr<WT>(gu_w[l]);
-        gemv<WT, XT>(guw, hidden, a, b, xin, hidden, M, gu, 2 * inter);
-        gemv<WT, XT>(guw, hidden, inter + a, inter + b, xin, hidden, M, gu, 2 * inter);
+        mark(3);
+        mm<WT, XT>(q_gu[l], gu_w[l], hidden, a, b, xin, hidden, M, gu, 2 * inter, tid);
+        mm<WT, XT>(q_gu[l], gu_w[l], hidden, inter + a, inter + b, xin, hidden, M, gu, 2 * inter, tid, false);
+        mark(0);
         for (int64_t t = 0; t < T; t++)
           silu_mul<WT, XT>(gu + t * 2 * inter + a, gu + t * 2 * inter + inter + a, act + t * inter + a, b - a);
+        mark(3);
 #pragma omp barrier
+        mark(2);
         if (l == dbg_layer) snap(act, T * inter, tid);
         // --- down + residual
         split(hidden, 16, tid, nt, a, b);
-        gemv<WT, XT>(ptr<WT>(down_w[l]), inter, a, b, act, inter, M, tmp, hidden);
+        mm<WT, XT>(q_down[l], down_w[l], inter, a, b, act, inter, M, tmp, hidden, tid);
+        mark(0);
         if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
         for (int64_t t = 0; t < T; t++)
           for (int64_t n = a; n < b; n++)
             x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+        mark(3);
 #pragma omp barrier
+        mark(2);
         if (cap_at[l] != nullptr) {
           split(T, 1, tid, nt, a, b);
           for (int64_t t = a; t < b; t++)
@@ -1155,8 +1283,10 @@ struct Model {
       }
       split(T, 1, tid, nt, a, b);
       rmsnorm<WT, WT>(x, ptr<WT>(final_norm), out, a, b);
+      mark(3);
       if (tid == 0) seq_end = s;
     }
+    if (profile) prof_calls++;
     comm.seq = seq_end;
     TORCH_CHECK(err.empty(), "lowlat: the tensor-parallel all-reduce failed: ", err);
   }
@@ -1347,6 +1477,35 @@ struct Model {
       else y.add_(*bias);
     }
     return out_float ? y.to(torch::kFloat32) : y.to(wdt);
+  }
+
+  // y = x @ W.T for a stored-type W ([qs, d(, m)], N rows of x's K columns), e.g. the tied Q8_0 LM head, with the
+  // forward's kernels and activation mode -> [M, N] in the model dtype (out_float: float32)
+  torch::Tensor qlinear(torch::Tensor x, std::vector<torch::Tensor> w, int64_t N, bool out_float) {
+    TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(0) <= max_rows, "lowlat.qlinear: x must be [M <= ",
+                max_rows, ", K] on the CPU");
+    const int64_t M = x.size(0), K = x.size(1);
+    const size_t keep = q_keep.size();
+    const QW q = make_qw(w, N, K, "qlinear weight");
+    q_keep.resize(keep);  // the caller holds w for the call
+    TORCH_CHECK(q.quant() && q8_stride >= Q8Row::bytes(q.nbp), "lowlat.qlinear: needs set_quant and a weight no "
+                "wider than the model's");
+    const auto t0 = std::chrono::steady_clock::now();
+    auto xf = x.to(torch::kFloat32).contiguous();
+    auto y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kFloat32));
+    const float* xp = xf.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+#pragma omp parallel num_threads(nthreads)
+    {
+      const int tid = omp_get_thread_num();
+      int64_t a, b;
+      split(N, 16, tid, omp_get_num_threads(), a, b);
+      char* xq = q8buf(tid);
+      if (q8) quantize_rows(xp, K, int(M), K, q.nbp, xq, q8_stride);
+      qgemv(q, a, b, xp, K, xq, q8_stride, q8, int(M), yp, N);
+    }
+    if (profile) prof[4] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return out_float ? y : y.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
   }
 
   // The LM head over a vocab-split weight under TP: every rank's x [M, hidden] @ its W shard [vocab, hidden].T,
@@ -1596,6 +1755,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>>())
       .def("forward", &lowlat::Model::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("set_quant", &lowlat::Model::set_quant)
+      .def("qlinear", &lowlat::Model::qlinear, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("n"), pybind11::arg("out_float") = false)
+      .def_readwrite("invariant", &lowlat::Model::invariant)
+      .def_readwrite("profile", &lowlat::Model::profile)
+      .def_readwrite("prof", &lowlat::Model::prof)
+      .def_readwrite("prof_calls", &lowlat::Model::prof_calls)
       .def("test_route", &lowlat::Model::test_route)
       .def_readwrite("record_moe", &lowlat::Model::record_moe)
       .def_readonly("moe_log", &lowlat::Model::moe_log)

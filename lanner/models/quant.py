@@ -1,0 +1,229 @@
+"""GGUF weights kept in their stored type (issue 18). Each supported block type is repacked once at load into one
+of two SIMD-friendly formats without changing any value (every weight still dequantizes to the same float32):
+
+  "u4": 4-bit unsigned codes q with a float16 scale d and offset m per block of 32 (value = d * q + m). Q4_1 as is;
+        Q4_0 (d * (q - 8)) with m = -8 d (exact in float16). Codes of two consecutive blocks share 32 bytes: byte i
+        holds element i of the even block in its low nibble and element i of the odd block in its high nibble, so
+        one 32-byte load unpacks into 64 codes in element order (qs [N, blocks / 2, 32] uint8).
+  "s8": signed 8-bit codes with a float16 scale per block of 32 (value = d * q): Q8_0 as is, Q5_0 (d * (q - 16))
+        widened to 8 bits (qs [N, blocks, 32] int8; 34 instead of 22 bytes per block for Q5_0).
+
+Rows are padded to an even block count (zero codes, zero scales). Scales are kept as raw float16 bits in int16
+buffers, so that `model.to(dtype)` leaves them alone. The engine's own forward (prefill past the plugin's rows,
+other devices) uses these same buffers: `QuantLinear` dequantizes 4096-row tiles on the fly inside its matmul,
+so no second, dense copy of the weights exists. lowlat's C++ kernels read the buffers directly.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger("lanner")
+
+BLOCK = 32
+TILE_ROWS = 4096  # output rows dequantized at a time by the on-the-fly matmul (bounds its scratch memory)
+# GGUF type name -> (repacked format, GGUF bytes per block)
+STORED_TYPES = {"Q4_0": ("u4", 18), "Q4_1": ("u4", 20), "Q5_0": ("s8", 22), "Q8_0": ("s8", 34)}
+
+
+def _f16_bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.int16)
+
+
+def repack(raw: np.ndarray, type_name: str, k: int) -> dict[str, torch.Tensor]:
+    """raw: a GGUF tensor's bytes, uint8 [N, bytes per row]; k: the row length in elements. -> {"qs", "d"[, "m"]}
+    in the format of STORED_TYPES[type_name] (module docstring)."""
+    fmt, bb = STORED_TYPES[type_name]
+    n, nb = raw.shape[0], k // BLOCK
+    if k % BLOCK or raw.shape[1] != nb * bb:
+        raise ValueError(f"{type_name} tensor of {k} columns holds {raw.shape[1]} bytes per row, expected {nb * bb}")
+    blocks = raw.reshape(n, nb, bb)
+    d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
+    nbp = nb + nb % 2
+    pad = lambda a: np.concatenate([a, np.zeros((n, nbp - nb) + a.shape[2:], a.dtype)], axis=1) if nbp > nb else a
+    if fmt == "u4":
+        if type_name == "Q4_1":
+            m, nib = blocks[:, :, 2:4].copy().view(np.float16)[..., 0], blocks[:, :, 4:20]
+        else:
+            m, nib = (d.astype(np.float32) * -8).astype(np.float16), blocks[:, :, 2:18]
+        codes = np.concatenate([nib & 15, nib >> 4], axis=2)  # [n, nb, 32] in element order
+        codes = pad(codes).reshape(n, nbp // 2, 2, BLOCK)
+        qs = codes[:, :, 0] | (codes[:, :, 1] << 4)
+        return {"qs": torch.from_numpy(np.ascontiguousarray(qs)), "d": torch.from_numpy(_f16_bits(pad(d))),
+                "m": torch.from_numpy(_f16_bits(pad(m)))}
+    if type_name == "Q8_0":
+        codes = blocks[:, :, 2:34].view(np.int8)
+    else:  # Q5_0: the fifth bits of the 32 elements in a little-endian uint32, then the low nibbles
+        qh = blocks[:, :, 2:6].copy().view(np.uint32)[..., 0]
+        nib = blocks[:, :, 6:22]
+        lo = np.concatenate([nib & 15, nib >> 4], axis=2).astype(np.int16)
+        hi = ((qh[..., None] >> np.arange(BLOCK, dtype=np.uint32)) & 1).astype(np.int16)
+        codes = (lo | (hi << 4)) - 16
+    return {"qs": torch.from_numpy(np.ascontiguousarray(pad(codes.astype(np.int8)))),
+            "d": torch.from_numpy(_f16_bits(pad(d)))}
+
+
+def dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed rows -> dense [rows, k]. float32 arithmetic (d * q is exact, so d * q + m rounds once, like the gguf
+    package and lowlat's float-activation kernels), then one rounding to dtype."""
+    n = qs.shape[0]
+    if qs.dtype == torch.uint8:
+        q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(n, -1, BLOCK).float()
+        w = q * d.view(torch.float16).float()[..., None] + m.view(torch.float16).float()[..., None]
+    else:
+        w = qs.float() * d.view(torch.float16).float()[..., None]
+    return w.reshape(n, -1)[:, :k].to(dtype)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer (or the tied embedding / LM head) over repacked GGUF blocks; see the module docstring.
+    `weight` (a dense copy made on each access) exists for callers that need the matrix itself; the forward never
+    builds it whole."""
+
+    def __init__(self, out_features: int, in_features: int, fmt: str, bias: bool = False,
+                 pieces: list[int] | None = None, device=None):
+        super().__init__()
+        nbp = -(-in_features // BLOCK)
+        nbp += nbp % 2
+        self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
+        self.dtype = torch.float32  # the activations' dtype; set by the loader
+        kw = {"device": device}
+        if fmt == "u4":
+            self.register_buffer("qs", torch.empty(out_features, nbp // 2, BLOCK, dtype=torch.uint8, **kw))
+            self.register_buffer("m", torch.empty(out_features, nbp, dtype=torch.int16, **kw))
+        else:
+            self.register_buffer("qs", torch.empty(out_features, nbp, BLOCK, dtype=torch.int8, **kw))
+            self.m = None
+        self.register_buffer("d", torch.empty(out_features, nbp, dtype=torch.int16, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        self.offsets = np.cumsum([0, *(pieces or [out_features])]).tolist()  # fused pieces' first rows
+        self.pieces = pieces or [out_features]
+
+    def dense(self, rows: slice = slice(None), dtype=None) -> torch.Tensor:
+        return dequantize(self.qs[rows], self.d[rows], None if self.m is None else self.m[rows], self.in_features,
+                          dtype or self.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ bias), dequantizing TILE_ROWS rows of W at a time."""
+        tiles = [F.linear(x, self.dense(slice(r, r + TILE_ROWS), x.dtype))
+                 for r in range(0, self.out_features, TILE_ROWS)]
+        y = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the matrix (the embedding lookup)."""
+        return dequantize(self.qs[ids], self.d[ids], None if self.m is None else self.m[ids], self.in_features,
+                          self.dtype)
+
+    def packed(self) -> list[torch.Tensor]:
+        return [self.qs, self.d] + ([] if self.m is None else [self.m])
+
+    @torch.no_grad()
+    def load(self, name: str, tensor, piece: int = 0):
+        """A piece of the fused rows: `tensor` is a repack() dict for the weight, a dense tensor for the bias."""
+        r0 = self.offsets[piece]
+        if name == "bias":
+            self.bias[r0 : r0 + tensor.shape[0]].copy_(tensor)
+            return
+        n = tensor["qs"].shape[0]
+        if r0 + n > self.offsets[piece + 1] or tensor["qs"].shape[1:] != self.qs.shape[1:]:
+            raise ValueError(f"quantized piece {piece} of shape {tuple(tensor['qs'].shape)} does not fit "
+                             f"{tuple(self.qs.shape)} at row {r0}")
+        for key, buf in (("qs", self.qs), ("d", self.d), ("m", self.m)):
+            if buf is not None:
+                buf[r0 : r0 + n].copy_(tensor[key])
+
+
+class QuantEmbedding(QuantLinear):
+    """The token embedding over quantized rows (also the LM head when tied: `forward` is the lookup, `linear` the
+    head's `matmul`)."""
+
+    def forward(self, ids):
+        return self.embed(ids)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (distinct storages)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        st = t.untyped_storage()
+        if t.device.type != "meta" and st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+def stored_plan(model: nn.Module, tensors, hf_name) -> dict[str, tuple]:
+    """Which modules can hold their GGUF tensors as stored: module name -> (format, [(gguf tensor, piece)]).
+    A module qualifies when all its pieces are of STORED_TYPES with one format and its class is one we replace
+    (column / row linear, vocab embedding) on a single rank."""
+    from lanner.distributed import tp_size
+    from lanner.distributed.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    if tp_size() > 1:
+        return {}
+    modules = dict(model.named_modules())
+    groups: dict[str, list] = {}
+    for t in tensors:
+        mapped = model.checkpoint_name(hf_name(t.name))
+        if mapped is None:
+            continue
+        pname, piece = mapped
+        owner, _, leaf = pname.rpartition(".")
+        if leaf == "weight":
+            groups.setdefault(owner, []).append((t, piece))
+    plan, skipped = {}, set()
+    for owner, items in groups.items():
+        mod = modules.get(owner)
+        fmts = {STORED_TYPES.get(t.tensor_type.name, (None,))[0] for t, _ in items}
+        if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) or \
+                len(fmts) != 1 or None in fmts or len(items) != len(getattr(mod, "pieces", [0])):
+            skipped |= {t.tensor_type.name for t, _ in items}
+            continue
+        plan[owner] = (fmts.pop(), items)
+    if skipped - {"F32", "F16", "BF16"}:
+        log.info("GGUF tensors of type(s) %s are dequantized at load (no stored-type kernels)", sorted(skipped))
+    return plan
+
+
+def install(model: nn.Module, plan: dict[str, tuple]) -> None:
+    """Replaces each planned module (still on the meta device) by its QuantLinear / QuantEmbedding."""
+    from lanner.distributed.layers import VocabParallelEmbedding
+
+    for owner, (fmt, _) in plan.items():
+        parent_name, _, attr = owner.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        if isinstance(old, VocabParallelEmbedding):
+            new = QuantEmbedding(old.num_embeddings, old.embedding_dim, fmt, device="meta")
+        else:
+            new = QuantLinear(old.out_features, old.in_features, fmt, bias=old.bias is not None,
+                              pieces=list(old.local_sizes), device="meta")
+        setattr(parent, attr, new)
+
+
+def load_stored(model: nn.Module, plan: dict[str, tuple], dtype: torch.dtype, permute) -> None:
+    """Fills the installed modules from their GGUF tensors; permute(tensor, packed rows) reorders rows where the
+    converter permuted them (llama q/k)."""
+    for owner, (_, items) in plan.items():
+        mod = model.get_submodule(owner)
+        mod.dtype = dtype
+        for t, piece in items:
+            packed = repack(np.asarray(t.data), t.tensor_type.name, int(t.shape[0]))
+            mod.load("weight", {k: permute(t, v) for k, v in packed.items()}, piece)

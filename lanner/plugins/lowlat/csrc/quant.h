@@ -1,0 +1,248 @@
+// lowlat's GEMV over GGUF blocks kept in their stored type (issue 18), in the two formats that
+// lanner/models/quant.py repacks them into without changing a value:
+//   u4: 4-bit codes q, float16 d and m per block of 32 (w = d * q + m; Q4_1, and Q4_0 as m = -8 d). 32 bytes hold
+//       two blocks: low nibbles the even block's 32 codes in element order, high nibbles the odd block's.
+//   s8: int8 codes, float16 d per block of 32 (w = d * q; Q8_0, Q5_0 widened).
+// Rows have an even block count (zero-padded). Two activation modes:
+//   q8:    each activation row is quantized per block of 32 to int8 with a float16-rounded scale, as llama.cpp's
+//          quantize_row_q8_0/q8_1 do, and a block pair is one 64-byte integer dot product (vpdpbusd with
+//          AVX512-VNNI; vpmaddubsw + vpmaddwd with AVX512BW only): unsigned u4 codes x signed activations directly;
+//          s8 codes are biased to unsigned (xor 0x80) and the bias removed by starting the sum at -128 * sum(x).
+//   float: the codes are turned into exact float32 weights (d * q + m rounds once, like the reference
+//          dequantization) and FMA'd against float activations.
+// Each unpacked weight block is reused across up to 4 activation rows. Batch invariance: the arithmetic for
+// one (weight row, activation row) pair is the same instruction sequence whatever the number of rows or how
+// they are grouped (fixed accumulator chains, fixed reduction order), so a row's output bits do not depend on
+// the other rows of the step.
+#pragma once
+
+namespace lowlat {
+
+enum QFmt : int { kDense = 0, kU4 = 1, kS8 = 2 };
+
+struct QW {  // one repacked weight [N, K]; qs / d / m point into tensors the plugin keeps alive
+  int fmt = kDense;
+  int64_t N = 0, K = 0, nbp = 0;  // nbp: blocks per row, padded to even
+  const uint8_t* qs = nullptr;
+  const uint16_t* d = nullptr;
+  const uint16_t* m = nullptr;
+  bool quant() const { return fmt != kDense; }
+  int64_t row_bytes() const { return nbp * 32 / (fmt == kU4 ? 2 : 1); }
+};
+
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+static inline float f2h2f(float f) { return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
+
+// One activation row quantized for the q8 kernels: per block pair p, 64 int8 codes, the two blocks' scales
+// broadcast to 8 lanes each (the lanes vpdpbusd sums that block into), -128 * (sums of 4 codes) per lane (the s8
+// bias), and per block d * sum(q) rounded to float16 (u4's m term, llama.cpp's q8_1 `s`).
+struct Q8Row {
+  int8_t* q;
+  float* db;    // [pairs][16]
+  int32_t* nc;  // [pairs][16]
+  float* s;     // [blocks]
+  static int64_t bytes(int64_t nbp) { return nbp * 32 + (nbp / 2) * 64 * 2 + nbp * 4; }
+  static Q8Row at(char* base, int64_t nbp) {
+    return {reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + nbp * 32),
+            reinterpret_cast<int32_t*>(base + nbp * 32 + nbp / 2 * 64), reinterpret_cast<float*>(base + nbp * 32 + nbp * 64)};
+  }
+};
+
+static inline __m512i dot_u8s8(__m512i acc, __m512i u, __m512i s) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else  // u4 codes (<= 15) and |s| <= 127 cannot saturate the 16-bit pair sums; the s8 path never calls this
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+
+// quantize K floats (K <= nbp * 32; the rest are zero) like llama.cpp: d = amax / 127 stored as float16,
+// codes round(x * 127 / amax) to nearest even
+static void quantize_q8(const float* x, int64_t K, int64_t nbp, Q8Row r) {
+  for (int64_t b = 0; b < nbp; b++) {
+    const int64_t k0 = b * 32, n = std::max<int64_t>(0, std::min<int64_t>(32, K - k0));
+    const __mmask16 m0 = (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1);
+    const __mmask16 m1 = (__mmask16)(n >= 32 ? 0xffff : n > 16 ? (1u << (n - 16)) - 1 : 0);
+    const __m512 v0 = _mm512_maskz_loadu_ps(m0, x + k0), v1 = _mm512_maskz_loadu_ps(m1, x + k0 + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, _mm512_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT));
+    const __m512i q1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, _mm512_set1_ps(id)), _MM_FROUND_TO_NEAREST_INT));
+    _mm_storeu_si128((__m128i*)(r.q + k0), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128((__m128i*)(r.q + k0 + 16), _mm512_cvtsepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    r.s[b] = f2h2f(d * float(sum));
+    const float dh = f2h2f(d);
+    float* db = r.db + (b / 2) * 16 + (b % 2) * 8;
+    for (int i = 0; i < 8; i++) db[i] = dh;
+  }
+  for (int64_t p = 0; p < nbp / 2; p++) {  // -128 * sum of each lane's 4 codes
+    const __m512i xv = _mm512_loadu_si512((const void*)(r.q + p * 64));
+    const __m512i s4 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), xv), _mm512_set1_epi16(1));
+    _mm512_storeu_si512((void*)(r.nc + p * 16), _mm512_mullo_epi32(s4, _mm512_set1_epi32(-128)));
+  }
+}
+
+// the block pair's two weight scales (float16), lanes 0-7 the even block's, 8-15 the odd block's
+static inline __m512 pair_scales(const uint16_t* d, int64_t p) {
+  const __m512 lo = _mm512_set1_ps(h2f(d[2 * p])), hi = _mm512_set1_ps(h2f(d[2 * p + 1]));
+  return _mm512_mask_blend_ps((__mmask16)0xff00, lo, hi);
+}
+
+// weight row n against MB q8 activation rows -> out[r * ldo]
+template <int MB>
+static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, int64_t ldo) {
+  const int64_t np = w.nbp / 2;
+  __m512 acc[MB][2];
+  for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const uint16_t* dr = w.d + n * w.nbp;
+  if (w.fmt == kU4) {
+    const uint8_t* qs = w.qs + n * np * 32;
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    for (int64_t p = 0; p < np; p++) {
+      const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + p * 32));
+      const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, lo4)),
+                                            _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4), 1);
+      const __m512 dw = pair_scales(dr, p);
+      for (int r = 0; r < MB; r++) {
+        const __m512i s = dot_u8s8(_mm512_setzero_si512(), wq, _mm512_loadu_si512((const void*)(xr[r].q + p * 64)));
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xr[r].db + p * 16));
+        acc[r][p & 1] = _mm512_fmadd_ps(t, dw, acc[r][p & 1]);
+      }
+    }
+  } else {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(w.qs) + n * w.nbp * 32;
+    for (int64_t p = 0; p < np; p++) {
+      const __m512i raw = _mm512_loadu_si512((const void*)(qs + p * 64));
+#ifdef __AVX512VNNI__
+      const __m512i wq = _mm512_xor_si512(raw, _mm512_set1_epi8((char)0x80));
+#else
+      const __m512i wq = _mm512_abs_epi8(raw);
+      const __mmask64 neg = _mm512_movepi8_mask(raw);
+#endif
+      const __m512 dw = pair_scales(dr, p);
+      for (int r = 0; r < MB; r++) {
+        const __m512i xv = _mm512_loadu_si512((const void*)(xr[r].q + p * 64));
+#ifdef __AVX512VNNI__
+        const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void*)(xr[r].nc + p * 16)), wq, xv);
+#else
+        const __m512i xs = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+        const __m512i s = _mm512_madd_epi16(_mm512_maddubs_epi16(wq, xs), _mm512_set1_epi16(1));
+#endif
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xr[r].db + p * 16));
+        acc[r][p & 1] = _mm512_fmadd_ps(t, dw, acc[r][p & 1]);
+      }
+    }
+  }
+  for (int r = 0; r < MB; r++) {
+    float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    if (w.fmt == kU4) {  // + sum over blocks of m * s, 16 blocks per step
+      const uint16_t* mr = w.m + n * w.nbp;
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t b = 0; b < w.nbp; b += 16) {
+        const __mmask16 mk = (__mmask16)(w.nbp - b >= 16 ? 0xffff : (1u << (w.nbp - b)) - 1);
+        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mr + b));
+        a = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, xr[r].s + b), a);
+      }
+      v += _mm512_reduce_add_ps(a);
+    }
+    out[r * ldo] = v;
+  }
+}
+
+// the 64 exact float32 weights of block pair p of row n, as 4 vectors of 16
+static inline void unpack_pair(const QW& w, int64_t n, int64_t p, __m512 v[4]) {
+  const uint16_t* dr = w.d + n * w.nbp;
+  const __m512 d0 = _mm512_set1_ps(h2f(dr[2 * p])), d1 = _mm512_set1_ps(h2f(dr[2 * p + 1]));
+  if (w.fmt == kU4) {
+    const uint8_t* qs = w.qs + (n * (w.nbp / 2) + p) * 32;
+    const uint16_t* mr = w.m + n * w.nbp;
+    const __m512 m0 = _mm512_set1_ps(h2f(mr[2 * p])), m1 = _mm512_set1_ps(h2f(mr[2 * p + 1]));
+    const __m512i lo4 = _mm512_set1_epi32(0x0f);
+    for (int h = 0; h < 2; h++) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qs + h * 16)));
+      v[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lo4)), d0, m0);
+      v[2 + h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
+    }
+  } else {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(w.qs) + (n * w.nbp + 2 * p) * 32;
+    for (int h = 0; h < 4; h++)
+      v[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + h * 16)))),
+                           h < 2 ? d0 : d1);
+  }
+}
+
+// weight row n against MB float activation rows (x + r * ldx; K columns, zero padding past K is never read:
+// the pair's lanes past K are masked)
+template <int MB>
+static inline void f32_rows(const QW& w, int64_t n, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  const int64_t np = w.nbp / 2;
+  __m512 acc[MB][4];
+  for (int r = 0; r < MB; r++)
+    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; p++) {
+    __m512 v[4];
+    unpack_pair(w, n, p, v);
+    const int64_t k0 = p * 64;
+    if (k0 + 64 <= w.K) {
+      for (int r = 0; r < MB; r++)
+        for (int c = 0; c < 4; c++)
+          acc[r][c] = _mm512_fmadd_ps(v[c], _mm512_loadu_ps(x + r * ldx + k0 + c * 16), acc[r][c]);
+    } else {
+      for (int c = 0; c < 4; c++) {
+        const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, w.K - k0 - c * 16));
+        const __mmask16 mk = (__mmask16)((1u << left) - 1);
+        for (int r = 0; r < MB; r++)
+          acc[r][c] = _mm512_fmadd_ps(v[c], _mm512_maskz_loadu_ps(mk, x + r * ldx + k0 + c * 16), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < MB; r++)
+    out[r * ldo] = _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
+}
+
+// rows [n0, n1) of W against M activation rows: out[m * ldo + n]. q8: `xq` holds the M quantized rows (stride
+// `qstride` bytes), else `x` the float rows.
+static void qgemv(const QW& w, int64_t n0, int64_t n1, const float* x, int64_t ldx, char* xq, int64_t qstride,
+                  bool q8, int M, float* out, int64_t ldo) {
+  Q8Row rows[4];
+  for (int m0 = 0; m0 < M; m0 += 4) {
+    const int mb = std::min(4, M - m0);
+    if (q8)
+      for (int r = 0; r < mb; r++) rows[r] = Q8Row::at(xq + (m0 + r) * qstride, w.nbp);
+    for (int64_t n = n0; n < n1; n++) {
+      float* o = out + m0 * ldo + n;
+      const float* xm = x + m0 * ldx;
+      switch (mb * 2 + q8) {
+        case 3: q8_rows<1>(w, n, rows, o, ldo); break;
+        case 5: q8_rows<2>(w, n, rows, o, ldo); break;
+        case 7: q8_rows<3>(w, n, rows, o, ldo); break;
+        case 9: q8_rows<4>(w, n, rows, o, ldo); break;
+        case 2: f32_rows<1>(w, n, xm, ldx, o, ldo); break;
+        case 4: f32_rows<2>(w, n, xm, ldx, o, ldo); break;
+        case 6: f32_rows<3>(w, n, xm, ldx, o, ldo); break;
+        default: f32_rows<4>(w, n, xm, ldx, o, ldo); break;
+      }
+    }
+  }
+}
+
+// quantize M float rows of K columns into xq (stride qstride) for the q8 kernels
+static inline void quantize_rows(const float* x, int64_t ldx, int M, int64_t K, int64_t nbp, char* xq, int64_t qstride) {
+  for (int m = 0; m < M; m++) quantize_q8(x + m * ldx, K, nbp, Q8Row::at(xq + m * qstride, nbp));
+}
+
+// one row of W as float32 (the embedding lookup)
+static inline void qrow(const QW& w, int64_t n, float* dst) {
+  for (int64_t p = 0; p < w.nbp / 2; p++) {
+    __m512 v[4];
+    unpack_pair(w, n, p, v);
+    for (int c = 0; c < 4; c++) {
+      const int64_t k = p * 64 + c * 16, left = std::max<int64_t>(0, std::min<int64_t>(16, w.K - k));
+      if (left) _mm512_mask_storeu_ps(dst + k, (__mmask16)((1u << left) - 1), v[c]);
+    }
+  }
+}
+
+}  // namespace lowlat

@@ -1,0 +1,175 @@
+"""GGUF weights kept in their stored type (lanner/models/quant.py, lowlat's csrc/quant.h) on the bundled Q4_1 / Q8_0
+model: the repacking changes no value; lowlat's float-activation kernels match the float32 dequantized reference;
+a row's bits do not depend on the other rows of its step (q8 and float modes); speculative greedy equals plain
+greedy; bad GGUF files get clear errors. The model is loaded once per module (stored and dequantized)."""
+import numpy as np
+import pytest
+import torch
+
+from lanner import LLM, SamplingParams
+from lanner.layers.attention import build_attention_metadata
+from lanner.models import quant
+from lanner.models.config import UnsupportedModelError
+from lanner.models.loader import ModelSource, load_config, load_model, open_gguf
+from lanner.plugins import Hardware, Step, StepKind
+from lanner.plugins.base import _cpu_flags
+from lanner.plugins.lowlat import LowLatPlugin
+
+gguf = pytest.importorskip("gguf")
+needs_avx512 = pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="lowlat needs an AVX-512 CPU")
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def models():
+    src = ModelSource.resolve(None)
+    loaded = load_config(src)  # the GGUF header once (parsing its vocabulary is the slow part)
+    stored, cfg = load_model(src, torch.float32, "cpu", loaded, weights="stored")
+    dense, _ = load_model(src, torch.float32, "cpu", loaded)
+    return stored, dense, cfg, loaded[2]
+
+
+@pytest.fixture(scope="module")
+def plugins(models):
+    """One lowlat kernel per activation mode over the same stored model (no weight copies)."""
+    stored, _, cfg, _ = models
+    hw = Hardware.detect("cpu", torch.float32)
+    out = {}
+    for act in ("float", "q8"):
+        p = LowLatPlugin(threads=1, act=act)
+        p.check(cfg, hw)
+        p.build(stored, cfg, hw)
+        out[act] = p
+    return out
+
+
+def test_repack_keeps_every_value(models):
+    """Repacked blocks dequantize to exactly what the gguf package gives, for the bundled file's types and for
+    random Q4_0 / Q5_0 / Q8_0 / Q4_1 tensors with an odd block count (the padded pair)."""
+    from gguf.quants import dequantize as reference
+
+    stored, dense, _, reader = models
+    cases = [(np.asarray(t.data), t.tensor_type, int(t.shape[0])) for t in reader.tensors[:4]
+             if t.tensor_type.name in quant.STORED_TYPES]
+    rng = np.random.default_rng(0)
+    for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_1"):
+        qt = gguf.GGMLQuantizationType[name]
+        x = rng.standard_normal((5, 96)).astype(np.float32)
+        cases.append((gguf.quants.quantize(x, qt), qt, 96))
+    for raw, qt, k in cases:
+        p = quant.repack(raw, qt.name, k)
+        got = quant.dequantize(p["qs"], p["d"], p.get("m"), k)
+        assert torch.equal(got, torch.from_numpy(reference(raw, qt).copy())), qt.name
+    # the stored model holds a third of the bytes of its float32 copy... and its dense views are that copy
+    assert quant.weight_bytes(stored) < 0.22 * quant.weight_bytes(dense)
+    assert torch.equal(stored.layers[3].mlp.down_proj.weight, dense.layers[3].mlp.down_proj.weight)
+
+
+def _step(model, plug, kv, rows):
+    """One forward over rows = [(token ids, first position, block table)] -> (hidden, logits)."""
+    ids = torch.tensor([t for r in rows for t in r[0]])
+    pos = torch.tensor([p for r in rows for p in range(r[1], r[1] + len(r[0]))])
+    meta = build_attention_metadata([len(r[0]) for r in rows], [r[1] + len(r[0]) for r in rows],
+                                    [r[2] for r in rows], BS, "cpu")
+    with torch.inference_mode():
+        if plug is None:
+            hidden = model(ids, pos, kv, meta)[0]
+            return hidden, model.compute_logits(hidden)
+        step = Step(StepKind.VERIFY, len(ids), len(rows))
+        hidden = plug.forward(step, model, ids, pos, kv, meta)[0]
+        return hidden, plug.compute_logits(step, model, hidden)
+
+
+def _caches(cfg, blocks=40):
+    return [tuple(torch.zeros(blocks * BS, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
+            for _ in range(cfg.num_layers)]
+
+
+PROMPT = list(range(1000, 1030))
+
+
+@needs_avx512
+def test_float_activations_match_dequantized_reference(models, plugins):
+    """act="float": prefill of 30 rows, then 2 decode steps, hidden states and logits within 1e-4 (relative max)
+    of the float32 model built from the dequantized weights."""
+    stored, dense, cfg, _ = models
+    kv_a, kv_b = _caches(cfg), _caches(cfg)
+    table = [0, 1, 2]
+    for rows in ([(PROMPT, 0, table)], [([5000], 30, table)], [([77], 31, table)]):
+        got = _step(stored, plugins["float"], kv_a, rows)
+        want = _step(dense, None, kv_b, rows)
+        for g, w in zip(got, want):
+            err = ((g - w).abs().max() / w.abs().max()).item()
+            assert err <= 1e-4, err
+
+
+@needs_avx512
+@pytest.mark.parametrize("act", ["float", "q8"])
+def test_batch_invariance(models, plugins, act):
+    """Sequence A's decode row gives the same bits (hidden and logits) alone, as row 1 of a verify chunk of its own
+    sequence, and among 2-16 rows of other sequences of other lengths."""
+    stored, _, cfg, _ = models
+    plug, kv = plugins[act], _caches(cfg)
+    a = (PROMPT, 0, [0, 1, 2])
+    others = [(list(range(2000, 2000 + n)), 0, [3 + 3 * i, 4 + 3 * i, 5 + 3 * i]) for i, n in enumerate((9, 40))]
+    for r in [a, *others]:
+        _step(stored, plug, kv, [r])  # prefill every sequence
+    alone = _step(stored, plug, kv, [([5000], 30, a[2])])
+    chunk = _step(stored, plug, kv, [([5000, 6, 7], 30, a[2])])
+    assert all(torch.equal(x[0], y[0]) for x, y in zip(alone, chunk))
+    (_, _, t1), (_, _, t2) = others
+    for rows in ([([8], 9, t1)], [([8] * 5, 9, t1)], [([8] * 7, 9, t1), ([11] * 8, 40, t2)]):  # 2, 6, 16 rows
+        got = _step(stored, plug, kv, [*rows, ([5000], 30, a[2])])
+        assert all(torch.equal(x[0], y[-1]) for x, y in zip(alone, got)), len(rows)
+
+
+@pytest.fixture(scope="module")
+def llm_q8():
+    return LLM(dtype="float32", weights="stored", plugin="lowlat", plugin_options={"lowlat": {"threads": 1}},
+               spec="ngram", spec_max_batch=1, kv_cache_memory="0.25GiB")
+
+
+@needs_avx512
+def test_speculative_greedy_equals_plain_q8(llm_q8):
+    """With q8 activations (not float32 arithmetic) n-gram speculation still emits exactly the plain greedy tokens:
+    the verify rows compute the bits of decode rows."""
+    prompts = ["Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown fox",
+               "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"]
+    spec = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculative=False)
+    counts = llm_q8.engine.plugins.counts
+    for p in prompts:
+        want = llm_q8.generate(p, plain)[0].token_ids
+        got = llm_q8.generate(p, spec)[0]
+        assert got.token_ids == want
+    assert counts.get(("lowlat", "verify"), 0) > 5 and not llm_q8.engine.plugins.disabled
+
+
+def test_bad_gguf_files(tmp_path):
+    def write(name, arch, tensor_type):
+        w = gguf.GGUFWriter(str(tmp_path / name), arch)
+        w.add_block_count(1)
+        block, size = gguf.GGML_QUANT_SIZES[tensor_type]
+        raw = np.zeros((4, 64 // block * size), dtype=np.uint8)  # rows of 64 elements
+        w.add_tensor("token_embd.weight", raw, raw_dtype=tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return str(tmp_path / name)
+
+    good = write("ok.gguf", "llama", gguf.GGMLQuantizationType.Q8_0)
+    assert len(open_gguf(good).tensors) == 1
+    data = (tmp_path / "ok.gguf").read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:-40])
+    with pytest.raises(ValueError, match="cut.gguf.*truncated"):
+        open_gguf(str(cut))
+    for name, junk in (("short.gguf", data[:20]), ("junk.gguf", b"GGUF" + bytes(range(256)) * 4)):
+        (tmp_path / name).write_bytes(junk)
+        with pytest.raises(ValueError, match="not a readable GGUF file"):
+            open_gguf(str(tmp_path / name))
+    with pytest.raises(UnsupportedModelError, match="Q8_1"):
+        open_gguf(write("q81.gguf", "llama", gguf.GGMLQuantizationType.Q8_1))
+    with pytest.raises(UnsupportedModelError, match="'mamba'"):
+        LLM(model=write("mamba.gguf", "mamba", gguf.GGMLQuantizationType.Q8_0), skip_tokenizer=True)
