@@ -25,7 +25,11 @@ TINY = [
 
 
 def bench_args(*argv):
+    """`lanner bench ...` in float32 and, unless argv names a plugin, with plugin=None (the engine's own forward,
+    which the shared engine below runs)."""
     args = build_parser().parse_args(["bench", *argv, "--dtype", "float32"])
+    if "--plugin" not in argv:
+        args.plugin = None
     return args, engine_kwargs(args)
 
 

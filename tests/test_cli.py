@@ -73,9 +73,10 @@ def test_bench_latency(tmp_path):
         assert "SKIPPED" in r.stderr
     assert (tmp_path / "lat.png").stat().st_size > 0
     assert "| lanner |" in r.stdout
-    # the default engine speculates with the shipped head; plain decoding is its peer in the same run
-    spec = data["systems"]["lanner+draft"]
-    assert data["spec"] == "draft" and data["spec_tokens"] == 3
+    # the default engine runs lowlat and hybrid speculation; the same without speculation and plain Lanner
+    # (neither) are its peers in the same run
+    spec = data["systems"]["lanner+auto+hybrid"]
+    assert data["spec"] == "hybrid" and data["plugin"] == "auto" and "lanner+auto" in data["systems"]
     assert spec["speedup_vs_plain"] > 0 and spec["greedy_identical_to_plain"] is True  # float32: lossless
 
 
@@ -98,9 +99,9 @@ def test_bench_throughput(tmp_path):
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     assert data["benchmark"] == "throughput"
-    # the default engine speculates with the shipped head, so plain decoding runs beside it at every level
+    # the default engine speculates (hybrid), so plain decoding runs beside it at every level
     assert [(lv["system"], lv["concurrency"]) for lv in data["levels"]] == \
-        [("spec-draft", 1), ("plain", 1), ("spec-draft", 2), ("plain", 2)]
+        [("spec-hybrid", 1), ("plain", 1), ("spec-hybrid", 2), ("plain", 2)]
     for lv in data["levels"]:
         assert lv["requests"] == 2 and lv["output_tokens"] == 16
         assert lv["output_tok_s"] > 0 and lv["ttft_p50_s"] > 0 and lv["mean_request_decode_tok_s"] > 0
