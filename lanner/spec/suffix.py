@@ -83,6 +83,10 @@ class SuffixProposer(Proposer):
         if k <= 0:
             return [], 0.0
         own, _, own_score = st.index.draft_own(k, self.factor, self.min_prob)
+        if req.params.seed is not None and not req.params.greedy:
+            # a seeded sample is a function of its prompt and seed only when its drafts are: other requests'
+            # outputs would change them (and with them which random draws the verifier makes)
+            return own, own_score
         tail = req.all_ids[-self.depth:]
         shared, _, shared_score = self.shared.draft(tail, scope_of(req.params.user), k, self.factor, self.min_prob)
         return (shared, shared_score) if shared_score > own_score else (own, own_score)
