@@ -151,8 +151,8 @@ class EngineConfig:
         if self.kv_tier == "ula-dp" and self.tp != 1:
             raise ValueError("kv_tier: ula-dp is one engine per device (data parallel); use ula-tp with tp > 1")
         if self.plugin not in (None, "", "none", "auto"):
-            raise ValueError(f"plugin: {self.plugin!r} does not cover sparse decoding over kv_tier={self.kv_tier!r}; "
-                             "drop one of them")
+            raise ValueError(f"plugin: kernel plugins ({self.plugin!r}) do not cover sparse decoding over "
+                             f"kv_tier={self.kv_tier!r}; drop one of them")
         if self.spec not in (None, "none", "auto"):
             raise ValueError("kv_tier: speculative decoding does not run over UlaCache; drop --spec")
         self.spec = None

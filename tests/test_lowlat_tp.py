@@ -102,7 +102,7 @@ def test_a_stalled_rank_aborts_the_step_on_every_rank(tiny_llama, allreduce):
     want = greedy_ids(tiny_llama, TINY_PROMPTS)
     name = StalledRankLowLat.name
     options = {name: {"threads": 1, "allreduce": allreduce, "timeout_s": 1.0}}
-    with LLM(tiny_llama, **OPTS, tp=2, tp_timeout_s=20, plugin=name, plugin_options=options) as llm:
+    with LLM(tiny_llama, **(OPTS | dict(plugin=name)), tp=2, tp_timeout_s=20, plugin_options=options) as llm:
         t0 = time.monotonic()
         outs = llm.generate(TINY_PROMPTS, GREEDY)
         assert time.monotonic() - t0 < 15  # the stall and the 1 s waits, not the watchdog

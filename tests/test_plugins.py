@@ -35,7 +35,7 @@ def example_installed():
 
 @pytest.fixture(scope="module")
 def plain_outputs():
-    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None)
+    llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None, plugin=None)
     return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.engine.num_blocks
 
 
@@ -50,11 +50,11 @@ def test_discovery_through_entry_points(example_installed):
 
 
 def test_check_fails_before_any_weight_loads(example_installed, monkeypatch):
-    import lanner.engine.llm_engine as engine_module
+    import lanner.engine.loading as loading
 
     loads = []
-    real_load = engine_module.load_model
-    monkeypatch.setattr(engine_module, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
+    real_load = loading.load_model
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     with pytest.raises(PluginMismatch, match="example: needs a cuda device, this engine runs on cpu"):
         LLM(plugin="example", plugin_options={"example": {"require": "cuda"}})
     assert loads == []

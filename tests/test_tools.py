@@ -180,10 +180,11 @@ def test_forced_drafts_are_lossless(srv):
     kw = dict(model=srv.model, messages=ASK, tools=[CALC, WEATHER], tool_choice="required", temperature=0,
               max_tokens=64)
     config = srv.engine.engine.config
-    on = srv.client.chat.completions.create(**kw)
+    # a user each: the suffix proposer's shared index must not let one run draft from the other's output
+    on = srv.client.chat.completions.create(**kw, user="forced-drafts-on")
     config.grammar_draft_tokens = 0  # read at each step; the server is idle between these requests
     try:
-        off = srv.client.chat.completions.create(**kw)
+        off = srv.client.chat.completions.create(**kw, user="forced-drafts-off")
     finally:
         config.grammar_draft_tokens = 8
     assert [c.function for c in on.choices[0].message.tool_calls] == \

@@ -29,7 +29,8 @@ from lanner.plugins import Plugin, StepKind, plugin_all_reduce, register_plugin
 # "The three primary colors are", "def fibonacci(n):", "Paris is the capital of"
 PROMPTS = [[504, 1296, 3003, 4683, 359], [1604, 3987, 46477, 24, 94, 727], [38634, 314, 260, 3575, 282]]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-OPTS = dict(dtype="float32", kv_cache_memory="0.1GiB", skip_tokenizer=True)
+# plugin=None: the engine's own forward is the reference (lowlat runs where a test asks for it)
+OPTS = dict(dtype="float32", kv_cache_memory="0.1GiB", skip_tokenizer=True, plugin=None)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -109,7 +110,7 @@ register_plugin("tp-test-slow", SlowCollectivePlugin)  # spawned workers get the
 
 def test_plugin_collective_timeout_aborts_the_step_on_every_rank(tiny_llama):
     want = greedy_ids(tiny_llama, TINY_PROMPTS)
-    with LLM(tiny_llama, **OPTS, tp=2, tp_timeout_s=20, plugin="tp-test-slow") as llm:
+    with LLM(tiny_llama, **(OPTS | dict(plugin="tp-test-slow")), tp=2, tp_timeout_s=20) as llm:
         t0 = time.monotonic()
         outs = llm.generate(TINY_PROMPTS, GREEDY)
         assert time.monotonic() - t0 < 20  # the 3 s stall, not the 20 s watchdog
