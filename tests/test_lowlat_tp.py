@@ -33,7 +33,7 @@ def test_default_model_tp2_with_the_draft_head_equals_tp1_plain():
     mapped it (a crash leaves nothing in /dev/shm)."""
     want = greedy_ids()
     before = segments()
-    with LLM(**OPTS, tp=2, spec="draft", draft="hass", **lowlat(verify=2)) as llm:
+    with LLM(**(OPTS | lowlat(verify=2)), tp=2, spec="draft", draft="hass") as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
         plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=False)
         assert [o.token_ids for o in llm.generate(PROMPTS, plain)] == want
@@ -51,7 +51,7 @@ def test_default_model_tp2_with_the_draft_head_equals_tp1_plain():
 def test_tiny_tp2_equals_tp1_over_both_all_reduce_paths(tiny_llama, allreduce):
     """Every lowlat step (forward and logits) on both ranks is checked against the engine's own TP forward."""
     want = greedy_ids(tiny_llama, TINY_PROMPTS)
-    with LLM(tiny_llama, **OPTS, tp=2, **lowlat(allreduce=allreduce)) as llm:
+    with LLM(tiny_llama, **(OPTS | lowlat(allreduce=allreduce)), tp=2) as llm:
         assert [o.token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)] == want
         rt = llm.engine.plugins
         assert not rt.disabled and rt.counts[("lowlat", "decode")] >= 20

@@ -40,6 +40,10 @@ def plugins(models):
         p.check(cfg, hw)
         p.build(stored, cfg, hw)
         out[act] = p
+    dense = LowLatPlugin(threads=1)  # float32 weights: invariant by default too
+    dense.check(cfg, hw)
+    dense.build(models[1], cfg, hw)
+    out["dense"] = dense
     return out
 
 
@@ -104,11 +108,14 @@ def test_float_activations_match_dequantized_reference(models, plugins):
 
 
 @needs_avx512
-@pytest.mark.parametrize("act", ["float", "q8"])
+@pytest.mark.parametrize("act", ["float", "q8", "dense"])
 def test_batch_invariance(models, plugins, act):
     """Sequence A's decode row gives the same bits (hidden and logits) alone, as row 1 of a verify chunk of its own
-    sequence, and among 2-16 rows of other sequences of other lengths."""
-    stored, _, cfg, _ = models
+    sequence, and among 2-16 rows of other sequences of other lengths (stored weights in both activation modes,
+    and float32 weights)."""
+    stored, dense, cfg, _ = models
+    if act == "dense":
+        stored = dense
     plug, kv = plugins[act], _caches(cfg)
     a = (PROMPT, 0, [0, 1, 2])
     others = [(list(range(2000, 2000 + n)), 0, [3 + 3 * i, 4 + 3 * i, 5 + 3 * i]) for i, n in enumerate((9, 40))]

@@ -125,7 +125,7 @@ def step_cost_ms(tokens: list[int], context: int = 8192, new_per_step: int = 4, 
     need = context + steps * new_per_step
     text = (tokens * (need // max(1, len(tokens)) + 1))[:need]
     proposer = SuffixProposer()
-    params = SimpleNamespace(user=None)
+    params = SimpleNamespace(user=None, seed=None, greedy=True)
     finished = SimpleNamespace(prompt_ids=text[:64], output_ids=text[: context // 2], params=params)
     proposer.finish(finished)  # a shared index with content, as in a serving process
     req = SimpleNamespace(all_ids=text[:context], spec_state=None, params=params, num_tokens=context)

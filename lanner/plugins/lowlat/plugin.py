@@ -377,7 +377,9 @@ class LowLatPlugin(Plugin):
             ws = [packed(m) for lyr, a in zip(layers, att)
                   for m in (a.qkv_proj, a.o_proj, getattr(lyr.mlp, "gate_up_proj", None), getattr(lyr.mlp, "down_proj", None))]
             kernel.set_quant([*ws, packed(model.embed_tokens)], self.act == "q8")
-        kernel.invariant = self.invariant if self.invariant is not None else self.stored
+        # float32 and stored weights can be batch-invariant (bf16 dot products are not): default on there
+        default = self.stored or self.hardware.dtype == torch.float32
+        kernel.invariant = self.invariant if self.invariant is not None else default
         return kernel
 
     def _kernel_for(self, model):

@@ -255,6 +255,10 @@ static constexpr bool kHaveDot = false;
 // kPrefetchFrom; both are settable through the module's _set_prefetch, for benchmarks.
 static int64_t g_prefetch = 12288;
 static int g_prefetch_rows = 0;
+// Batch-invariant GEMV: every (weight row, activation row) pair runs one weight row with 2 accumulator chains,
+// whatever the number of rows in the step, so a decode row and a verify row compute the same bits. Set from
+// Model::invariant at each entry (forward, linear, linear_gather); the calls run one at a time.
+static bool g_invariant = false;
 template <typename Kn, int R, int MB, int CH>
 static inline void row_kernel(const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx, float* out,
                               int64_t ldo) {
@@ -332,9 +336,30 @@ static inline void row2_any(int mb, const typename Kn::W* w, int64_t K, const ty
 // balanced blocks (<= 8 rows against one weight row, <= 6 against a pair); the weight rows stay in L1 between
 // the blocks.
 template <typename Kn>
+static inline void row_inv(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
+                           float* out, int64_t ldo) {
+  switch (mb) {
+    case 1: row_kernel<Kn, 1, 1, 2>(w, K, X, ldx, out, ldo); break;
+    case 2: row_kernel<Kn, 1, 2, 2>(w, K, X, ldx, out, ldo); break;
+    case 3: row_kernel<Kn, 1, 3, 2>(w, K, X, ldx, out, ldo); break;
+    case 4: row_kernel<Kn, 1, 4, 2>(w, K, X, ldx, out, ldo); break;
+    case 5: row_kernel<Kn, 1, 5, 2>(w, K, X, ldx, out, ldo); break;
+    case 6: row_kernel<Kn, 1, 6, 2>(w, K, X, ldx, out, ldo); break;
+    case 7: row_kernel<Kn, 1, 7, 2>(w, K, X, ldx, out, ldo); break;
+    default: row_kernel<Kn, 1, 8, 2>(w, K, X, ldx, out, ldo); break;
+  }
+}
+
+template <typename Kn>
 static void gemv_rows(const typename Kn::W* W, int64_t K, int64_t n0, int64_t n1, const typename Kn::X* X,
                       int64_t ldx, int M, float* out, int64_t ldo) {
   int64_t n = n0;
+  if (g_invariant) {
+    for (; n < n1; n++)
+      for (int m0 = 0; m0 < M; m0 += 8)
+        row_inv<Kn>(std::min(8, M - m0), W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
+    return;
+  }
   if (M >= 4) {
     const int nb2 = (M + 5) / 6;
     for (; n + 2 <= n1; n += 2)
@@ -1297,6 +1322,7 @@ struct Model {
       torch::Tensor ids, torch::Tensor positions, std::vector<std::vector<torch::Tensor>> kv,
       std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, std::vector<std::vector<int64_t>> bts,
       int64_t bs, std::vector<int64_t> capture) {
+    g_invariant = invariant;
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.device().is_cpu(),
                 "lowlat: input_ids must be a contiguous CPU int64 vector");
@@ -1428,6 +1454,7 @@ struct Model {
   // (the ablation's "C++ GEMV in the Python forward", and a fast LM head). out_float: float32 result (no
   // rounding to the model dtype).
   torch::Tensor linear(torch::Tensor x, torch::Tensor W, c10::optional<torch::Tensor> bias, bool out_float) const {
+    g_invariant = invariant;
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
     TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && x.size(1) == W.size(0 + 1) && x.scalar_type() == wdt &&
                     W.scalar_type() == wdt && W.is_contiguous() && x.device().is_cpu() && W.device().is_cpu(),
@@ -1513,6 +1540,7 @@ struct Model {
   // in chunks of gather_rows rows. Every rank calls it for the same M. Sets `aborted` (and returns garbage) when
   // the exchange timed out.
   torch::Tensor linear_gather(torch::Tensor x, torch::Tensor W) {
+    g_invariant = invariant;
     TORCH_CHECK(comm.P > 1 && comm.shared(), "lowlat.linear_gather: needs set_tp with a shared segment");
     TORCH_CHECK(!comm.aborted, "lowlat: an earlier tensor-parallel step was aborted; this kernel is retired");
     TORCH_CHECK(W.dim() == 2 && W.size(0) == vocab_sizes[comm.rank], "lowlat.linear_gather: W must be this rank's ",
