@@ -74,6 +74,20 @@ def test_bf16_within_verify_tolerance():
     assert llm.engine.plugins.plugins[0].uses_dot == ("avx512_bf16" in _cpu_flags())
 
 
+def test_bf16_speculation_is_lossless():
+    """lowlat's kernels are batch-invariant, so in bf16 too a prompt decodes the same tokens alone and in a batch,
+    and n-gram speculation (verify rows) emits exactly the plain tokens. (Not under plugin_verify: the steps it
+    checks write the engine's own forward's KV, which differs from lowlat's in bf16 rounding.)"""
+    llm = LLM(dtype="bfloat16", plugin="lowlat", kv_cache_memory="0.25GiB", spec="ngram")
+    plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=False)
+    want = [llm.generate(p, plain)[0].token_ids for p in PROMPTS]
+    assert [o.token_ids for o in llm.generate(PROMPTS, plain)] == want
+    assert [llm.generate(p, GREEDY)[0].token_ids for p in PROMPTS] == want
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
+    counts = llm.engine.plugins.counts
+    assert counts[("lowlat", "verify")] >= 5 and not llm.engine.plugins.disabled
+
+
 def test_eagle_draft_head_steps():
     """spec="draft" with the shipped EAGLE-style head: lowlat runs the target's VERIFY steps, the head's
     DRAFT_EXTEND steps (its linears on lowlat's GEMV, checked against the own forward) and the greedy chain of

@@ -84,8 +84,8 @@ def _step(model, plug, kv, rows):
         return hidden, plug.compute_logits(step, model, hidden)
 
 
-def _caches(cfg, blocks=40):
-    return [tuple(torch.zeros(blocks * BS, cfg.num_kv_heads, cfg.head_dim) for _ in range(2))
+def _caches(cfg, blocks=40, dtype=torch.float32):
+    return [tuple(torch.zeros(blocks * BS, cfg.num_kv_heads, cfg.head_dim, dtype=dtype) for _ in range(2))
             for _ in range(cfg.num_layers)]
 
 
@@ -107,27 +107,42 @@ def test_float_activations_match_dequantized_reference(models, plugins):
             assert err <= 1e-4, err
 
 
-@needs_avx512
-@pytest.mark.parametrize("act", ["float", "q8", "dense"])
-def test_batch_invariance(models, plugins, act):
+def _check_invariance(model, plug, cfg, dtype=torch.float32):
     """Sequence A's decode row gives the same bits (hidden and logits) alone, as row 1 of a verify chunk of its own
-    sequence, and among 2-16 rows of other sequences of other lengths (stored weights in both activation modes,
-    and float32 weights)."""
-    stored, dense, cfg, _ = models
-    if act == "dense":
-        stored = dense
-    plug, kv = plugins[act], _caches(cfg)
+    sequence, and among 2-16 rows of other sequences of other lengths."""
+    kv = _caches(cfg, dtype=dtype)
     a = (PROMPT, 0, [0, 1, 2])
     others = [(list(range(2000, 2000 + n)), 0, [3 + 3 * i, 4 + 3 * i, 5 + 3 * i]) for i, n in enumerate((9, 40))]
     for r in [a, *others]:
-        _step(stored, plug, kv, [r])  # prefill every sequence
-    alone = _step(stored, plug, kv, [([5000], 30, a[2])])
-    chunk = _step(stored, plug, kv, [([5000, 6, 7], 30, a[2])])
+        _step(model, plug, kv, [r])  # prefill every sequence
+    alone = _step(model, plug, kv, [([5000], 30, a[2])])
+    chunk = _step(model, plug, kv, [([5000, 6, 7], 30, a[2])])
     assert all(torch.equal(x[0], y[0]) for x, y in zip(alone, chunk))
     (_, _, t1), (_, _, t2) = others
     for rows in ([([8], 9, t1)], [([8] * 5, 9, t1)], [([8] * 7, 9, t1), ([11] * 8, 40, t2)]):  # 2, 6, 16 rows
-        got = _step(stored, plug, kv, [*rows, ([5000], 30, a[2])])
+        got = _step(model, plug, kv, [*rows, ([5000], 30, a[2])])
         assert all(torch.equal(x[0], y[-1]) for x, y in zip(alone, got)), len(rows)
+
+
+@needs_avx512
+@pytest.mark.parametrize("act", ["float", "q8", "dense"])
+def test_batch_invariance(models, plugins, act):
+    """Stored weights in both activation modes, and float32 weights."""
+    stored, dense, cfg, _ = models
+    _check_invariance(dense if act == "dense" else stored, plugins[act], cfg)
+
+
+@needs_avx512
+def test_bf16_batch_invariance(models):
+    """bf16 weights (the default dtype) with bf16 activations: lowlat's default is batch-invariant there too."""
+    src = ModelSource.resolve(None)
+    model, cfg = load_model(src, torch.bfloat16, "cpu", load_config(src))
+    hw = Hardware.detect("cpu", torch.bfloat16)
+    plug = LowLatPlugin(threads=1)
+    plug.check(cfg, hw)
+    plug.build(model, cfg, hw)
+    assert plug.uses_dot == ("avx512_bf16" in hw.cpu_flags)  # the bf16 dot-product kernels where the CPU has them
+    _check_invariance(model, plug, cfg, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")

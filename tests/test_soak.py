@@ -1,4 +1,4 @@
-"""Soak: 100 chat requests, 16 at a time, through the official async client against the real server and model.
+"""Soak: 48 chat requests, 16 at a time, through the official async client against the real server and model.
 Greedy answers must equal the same request served alone (float32 makes greedy independent of batching)."""
 import asyncio
 import random
@@ -24,15 +24,15 @@ ASK = ["Tell me one fact about {}.", "Why is {} interesting?", "Explain {} to a 
 
 
 def make_requests() -> list[dict]:
-    """40 greedy requests (20 distinct prompts, each twice: once streamed) and 60 sampled ones."""
+    """20 greedy requests (10 distinct prompts, each twice: once streamed) and 28 sampled ones."""
     rng = random.Random(0)
     reqs = []
-    for i, topic in enumerate(TOPICS):
+    for i, topic in enumerate(TOPICS[:10]):
         prompt = ASK[i % len(ASK)].format(topic)
         for stream in (False, True):
             reqs.append({"key": prompt, "greedy": True, "stream": stream,
                          "messages": [{"role": "user", "content": prompt}], "temperature": 0})
-    for i in range(60):
+    for i in range(28):
         prompt = rng.choice(ASK).format(rng.choice(TOPICS))
         req = {"key": prompt, "greedy": False, "stream": i % 4 == 0,
                "messages": [{"role": "user", "content": prompt}], "temperature": rng.choice([0.6, 0.8, 1.0]),

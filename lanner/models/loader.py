@@ -6,6 +6,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -296,13 +297,51 @@ _GGUF_TOKENIZER_CLASSES = {"gemma3": "GemmaTokenizer"}
 
 
 def load_tokenizer(source: ModelSource, architecture: str | None = None):
-    """architecture: the model's, when known (ModelConfig.architecture)."""
+    """architecture: the model's, when known (ModelConfig.architecture). A GGUF's tokenizer is converted once and
+    kept in a cache folder (see _tokenizer_cache_dir): converting it parses the whole file's metadata again (about
+    15 s for the bundled model), reloading the converted one takes a fraction of a second."""
     import transformers
 
-    if source.kind == "gguf":
-        cls = getattr(transformers, _GGUF_TOKENIZER_CLASSES.get(architecture, "AutoTokenizer"))
-        return cls.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
-    return transformers.AutoTokenizer.from_pretrained(source.path)
+    if source.kind != "gguf":
+        return transformers.AutoTokenizer.from_pretrained(source.path)
+    cached = _tokenizer_cache_dir(source.path)
+    if cached and os.path.exists(os.path.join(cached, "tokenizer_config.json")):
+        try:
+            return transformers.AutoTokenizer.from_pretrained(cached)
+        except Exception as e:  # a damaged cache entry: convert again and replace it
+            log.warning("tokenizer cache %s unreadable (%s); converting the GGUF's tokenizer again", cached, e)
+            shutil.rmtree(cached, ignore_errors=True)
+    cls = getattr(transformers, _GGUF_TOKENIZER_CLASSES.get(architecture, "AutoTokenizer"))
+    tok = cls.from_pretrained(os.path.dirname(source.path), gguf_file=os.path.basename(source.path))
+    if cached:
+        try:  # written aside, then renamed: concurrent loaders never read half an entry
+            tmp = f"{cached}.tmp{os.getpid()}"
+            tok.save_pretrained(tmp)
+            os.replace(tmp, cached)
+        except OSError as e:  # read-only, or another process renamed its copy first
+            log.info("tokenizer cache not written (%s)", e)
+            shutil.rmtree(tmp, ignore_errors=True)
+    return tok
+
+
+def _tokenizer_cache_dir(path: str) -> str | None:
+    """$LANNER_CACHE (default ~/.cache/lanner; empty: no cache)/tokenizers/<key>, the key naming the file (path,
+    size, mtime) and the transformers version that converted it."""
+    import hashlib
+
+    import transformers
+
+    root = os.environ.get("LANNER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lanner"))
+    if not root:
+        return None
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    folder = os.path.join(root, "tokenizers")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    return os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:24])
 
 
 __all__ = [

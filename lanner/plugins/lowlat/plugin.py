@@ -45,8 +45,9 @@ class LowLatPlugin(Plugin):
     act (GGUF weights kept as stored, EngineConfig.weights="stored"): "q8" (activations quantized to 8 bits per
         block of 32, as llama.cpp does; integer dot products) or "float" (float32 activations against the exact
         dequantized weights);
-    invariant: batch-invariant attention (a row's bits do not depend on the other rows of its step); default on
-        with stored-type weights.
+    invariant: batch-invariant GEMVs and attention (a row's bits do not depend on the other rows of its step, so
+        speculative greedy output equals plain greedy output in every dtype); default on. Off: the GEMVs pick
+        their accumulator chains per block size and attention mirrors PyTorch's exp variants.
     Under TP every rank runs lowlat on its shard and all ranks use the same thread count (the smallest asked)."""
 
     name = "lowlat"
@@ -377,9 +378,7 @@ class LowLatPlugin(Plugin):
             ws = [packed(m) for lyr, a in zip(layers, att)
                   for m in (a.qkv_proj, a.o_proj, getattr(lyr.mlp, "gate_up_proj", None), getattr(lyr.mlp, "down_proj", None))]
             kernel.set_quant([*ws, packed(model.embed_tokens)], self.act == "q8")
-        # float32 and stored weights can be batch-invariant (bf16 dot products are not): default on there
-        default = self.stored or self.hardware.dtype == torch.float32
-        kernel.invariant = self.invariant if self.invariant is not None else default
+        kernel.invariant = self.invariant is not False
         return kernel
 
     def _kernel_for(self, model):

@@ -255,8 +255,8 @@ static constexpr bool kHaveDot = false;
 // kPrefetchFrom; both are settable through the module's _set_prefetch, for benchmarks.
 static int64_t g_prefetch = 12288;
 static int g_prefetch_rows = 0;
-// Batch-invariant GEMV: every (weight row, activation row) pair runs one weight row with 2 accumulator chains,
-// whatever the number of rows in the step, so a decode row and a verify row compute the same bits. Set from
+// Batch-invariant GEMV: every (weight row, activation row) pair runs 2 accumulator chains whatever the number of
+// rows in the step, so a decode row and a verify row compute the same bits. Set from
 // Model::invariant at each entry (forward, linear, linear_gather); the calls run one at a time.
 static bool g_invariant = false;
 template <typename Kn, int R, int MB, int CH>
@@ -335,6 +335,22 @@ static inline void row2_any(int mb, const typename Kn::W* w, int64_t K, const ty
 // rows [n0, n1) of W [N, K]; X [M, ldx]; out [M, ldo] (column n of out = row n of W). The activation rows go in
 // balanced blocks (<= 8 rows against one weight row, <= 6 against a pair); the weight rows stay in L1 between
 // the blocks.
+// Batch-invariant variants: 2 chains per (weight row, activation row) at every block size. Each pair's sum runs
+// the same instruction sequence whether its weight row is streamed alone or in a pair, and whatever the rows
+// beside it, so only the chain count must not change.
+template <typename Kn>
+static inline void row2_inv(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
+                            float* out, int64_t ldo) {
+  switch (mb) {
+    case 1: row_kernel<Kn, 2, 1, 2>(w, K, X, ldx, out, ldo); break;
+    case 2: row_kernel<Kn, 2, 2, 2>(w, K, X, ldx, out, ldo); break;
+    case 3: row_kernel<Kn, 2, 3, 2>(w, K, X, ldx, out, ldo); break;
+    case 4: row_kernel<Kn, 2, 4, 2>(w, K, X, ldx, out, ldo); break;
+    case 5: row_kernel<Kn, 2, 5, 2>(w, K, X, ldx, out, ldo); break;
+    default: row_kernel<Kn, 2, 6, 2>(w, K, X, ldx, out, ldo); break;
+  }
+}
+
 template <typename Kn>
 static inline void row_inv(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
                            float* out, int64_t ldo) {
@@ -354,18 +370,13 @@ template <typename Kn>
 static void gemv_rows(const typename Kn::W* W, int64_t K, int64_t n0, int64_t n1, const typename Kn::X* X,
                       int64_t ldx, int M, float* out, int64_t ldo) {
   int64_t n = n0;
-  if (g_invariant) {
-    for (; n < n1; n++)
-      for (int m0 = 0; m0 < M; m0 += 8)
-        row_inv<Kn>(std::min(8, M - m0), W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
-    return;
-  }
+  const bool inv = g_invariant;
   if (M >= 4) {
     const int nb2 = (M + 5) / 6;
     for (; n + 2 <= n1; n += 2)
       for (int i = 0, m0 = 0; i < nb2; i++) {
         const int mb = M / nb2 + (i < M % nb2 ? 1 : 0);
-        row2_any<Kn>(mb, W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
+        (inv ? row2_inv<Kn> : row2_any<Kn>)(mb, W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
         m0 += mb;
       }
   }
@@ -373,7 +384,7 @@ static void gemv_rows(const typename Kn::W* W, int64_t K, int64_t n0, int64_t n1
   for (; n < n1; n++)
     for (int i = 0, m0 = 0; i < nblk; i++) {
       const int mb = M / nblk + (i < M % nblk ? 1 : 0);
-      row_any<Kn>(mb, W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
+      (inv ? row_inv<Kn> : row_any<Kn>)(mb, W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
       m0 += mb;
     }
 }
