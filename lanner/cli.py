@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -379,25 +380,32 @@ def _bench_runner(module):
     return run
 
 
-# ------------------------------------------------------------------ eval-accept
+# ------------------------------------------------------------------ eval-accept, eval-head
+
+def _eval_command(sub, name: str, module: str):
+    """A command of lanner.train.<module>: HELP, DESCRIPTION, add_arguments(p), run(args, engine_options). It holds
+    two engines at once, so it runs in one process. conflict_handler="resolve": the command's own --draft (which
+    takes 'default'/'hass'/...) replaces the engine option of that name."""
+    mod = importlib.import_module(f"lanner.train.{module}")
+    p = sub.add_parser(name, help=mod.HELP, description=mod.DESCRIPTION, formatter_class=_Formatter,
+                       conflict_handler="resolve")
+    add_engine_args(p)
+    mod.add_arguments(p)
+
+    def run(args):  # the result dict is written to a file; the command's exit status is 0
+        mod.run(args, single_process(engine_kwargs(args), name))
+
+    p.set_defaults(run=run)
+
 
 @subcommand
 def add_eval_accept(sub):
-    from lanner.train import eval_accept
-
-    # conflict_handler="resolve": the command's own --draft (which takes 'default'/'hass'/'ngram') replaces the
-    # engine option of that name
-    p = sub.add_parser("eval-accept", help=eval_accept.HELP, description=eval_accept.DESCRIPTION,
-                       formatter_class=_Formatter, conflict_handler="resolve")
-    add_engine_args(p)
-    eval_accept.add_arguments(p)
-    p.set_defaults(run=run_eval_accept)
+    _eval_command(sub, "eval-accept", "eval_accept")
 
 
-def run_eval_accept(args):
-    from lanner.train import eval_accept
-
-    eval_accept.run(args, single_process(engine_kwargs(args), "eval-accept"))  # it holds two engines at once
+@subcommand
+def add_eval_head(sub):
+    _eval_command(sub, "eval-head", "eval_head")
 
 
 # ------------------------------------------------------------------ train-draft

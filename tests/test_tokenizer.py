@@ -28,7 +28,7 @@ def test_gguf_tokenizer_cache(tmp_path, monkeypatch):
         f.write("{broken")
     assert load_tokenizer(src).encode(TEXTS[1]) == converted.encode(TEXTS[1])  # converted again...
     assert load_tokenizer(src).encode(TEXTS[1]) == converted.encode(TEXTS[1])  # ...and the entry replaced
-    assert open(os.path.join(entry, "tokenizer.json")).read(1) == "{" and os.listdir(tmp_path / "tokenizers") == \
-        [os.path.basename(entry)]
+    with open(os.path.join(entry, "tokenizer.json")) as f:
+        assert f.read(1) == "{" and os.listdir(tmp_path / "tokenizers") == [os.path.basename(entry)]
     monkeypatch.setenv("LANNER_CACHE", "")
     assert _tokenizer_cache_dir(src.path) is None

@@ -5,6 +5,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lanner import LLM, SamplingParams
 from lanner.spec.draft_head import DraftHead, random_draft_head
+from lanner.train.eval_head import offline_agreement
 from lanner.train.hass import TrainConfig, train_draft_head
 
 V = 64
@@ -39,14 +40,25 @@ def test_training_raises_acceptance(tmp_path):
     assert isinstance(DraftHead.load(str(tmp_path / "head")), DraftHead) and head.cfg.feature_layers == [2, 3, 3]
 
     random_draft_head(target.engine.model_config, V, seed=3).save(str(tmp_path / "random"))
-    taus = {}
+    taus, live_first = {}, {}
     for name in ("head", "random"):
         spec = LLM(spec="draft", draft=str(tmp_path / name), spec_tokens=3, spec_max_batch=16, **kw)
         res = spec.generate(prompts[40:], SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
         assert [o.token_ids for o in res] == [o.token_ids for o in outs[40:]]  # lossless either way
         emitted = sum(o.metrics["spec_accept_length"] * o.metrics["spec_verify_steps"] for o in res)
         taus[name] = emitted / sum(o.metrics["spec_verify_steps"] for o in res)
+        live_first[name] = sum(o.metrics["spec_accepted_per_position"][0] for o in res) / \
+            sum(o.metrics["spec_verify_steps"] for o in res)
     assert taus["head"] > taus["random"] + 0.3, taus
+
+    # eval-head: the engine's greedy walk replayed on the head's offline (training-time-test) predictions gives
+    # the live acceptance and tau: training and serving feed the head alike. Every token is in its vocabulary.
+    held_out = [(p + o.token_ids, len(p)) for p, o in zip(prompts[40:], outs[40:])]
+    for name in ("head", "random"):
+        off = offline_agreement(target.engine.model, DraftHead.load(str(tmp_path / name)), held_out, 3)
+        assert off["coverage"] == 1.0
+        assert abs(off["replay_accept_at"][0] - live_first[name]) < 0.03, (name, off, live_first)
+        assert abs(off["replay_tau"] - taus[name]) < 0.05, (name, off, taus)
 
     # --init: continued training starts from the given head (its weights and draft vocabulary), not a new one
     init = DraftHead.load(str(tmp_path / "random"))

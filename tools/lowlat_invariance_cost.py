@@ -8,10 +8,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from test_quant import _step, _caches
+from test_quant import _caches, _step
+
 from lanner.models.loader import ModelSource, load_config, load_model
 from lanner.plugins import Hardware
 from lanner.plugins.lowlat import LowLatPlugin
+
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 torch.set_num_threads(threads)
 src = ModelSource.resolve(None)
@@ -32,4 +34,4 @@ for dt in (torch.bfloat16, torch.float32):
                 for _ in range(10):
                     _step(model, plug, kv, [(list(range(5, 5 + rows)), 500, table)])
                 res.setdefault(inv, []).append((time.perf_counter() - t) / 10 * 1000)
-        print(f"{str(dt):15s} rows {rows:2d}: default {min(res[False]):6.2f} ms  invariant {min(res[True]):6.2f} ms  ratio {min(res[True])/min(res[False]):.3f}", flush=True)
+        print(f"{dt!s:15s} rows {rows:2d}: default {min(res[False]):6.2f} ms  invariant {min(res[True]):6.2f} ms  ratio {min(res[True])/min(res[False]):.3f}", flush=True)
