@@ -297,75 +297,44 @@ static inline void row_kernel(const typename Kn::W* w, int64_t K, const typename
     }
 }
 
-// One weight row against mb (1..8) activation rows, for 1-3 activation rows: the row is streamed with 8 / 4 / 3
-// accumulator chains per activation row (fewer chains leave the dot products latency-bound: 4 activation rows
-// with 1 chain each took 22 ms per forward on one core, with 2 chains 14 ms).
-template <typename Kn>
-static inline void row_any(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
-                           float* out, int64_t ldo) {
-  switch (mb) {
-    case 1: row_kernel<Kn, 1, 1, 8>(w, K, X, ldx, out, ldo); break;
-    case 2: row_kernel<Kn, 1, 2, 4>(w, K, X, ldx, out, ldo); break;
-    case 3: row_kernel<Kn, 1, 3, 3>(w, K, X, ldx, out, ldo); break;
-    case 4: row_kernel<Kn, 1, 4, 2>(w, K, X, ldx, out, ldo); break;
-    case 5: row_kernel<Kn, 1, 5, 2>(w, K, X, ldx, out, ldo); break;
-    case 6: row_kernel<Kn, 1, 6, 2>(w, K, X, ldx, out, ldo); break;
-    case 7: row_kernel<Kn, 1, 7, 2>(w, K, X, ldx, out, ldo); break;
-    default: row_kernel<Kn, 1, 8, 2>(w, K, X, ldx, out, ldo); break;
-  }
+// Accumulator chains per (weight row, activation row) for R weight rows against MB activation rows. One weight
+// row against 1-3 activation rows streams with 8 / 4 / 3 chains (fewer leave the dot products latency-bound: 4
+// activation rows with 1 chain each took 22 ms per forward on one core, with 2 chains 14 ms). A pair of weight
+// rows is for 4 or more activation rows: each activation load then serves two dot products (at 1-2 activation
+// rows two interleaved streams cost 25-50% against one sequential stream; from 4 rows on, with the L2 prefetch,
+// the pair wins: full forward on one core, bf16, 9 / 16 / 32 rows: 20.6 -> 18.0, 38.2 -> 29.7, 82.7 -> 56.9 ms).
+// Batch-invariant (Inv): 2 chains at every size. A pair's sum runs the same instruction sequence whether its
+// weight row is streamed alone or in a pair, and whatever the rows beside it, so only the chain count must not
+// change with the block.
+constexpr int chains(int R, int MB, bool inv) {
+  return inv ? 2 : R == 2 ? (MB <= 3 ? 2 : 1) : MB == 1 ? 8 : MB == 2 ? 4 : MB == 3 ? 3 : 2;
 }
 
-// Two weight rows against mb (1..6) activation rows, for 4 or more activation rows: each activation load then
-// serves two dot products. (At 1-2 activation rows two interleaved streams cost 25-50% against one sequential
-// stream; from 4 rows on, with the L2 prefetch, the pair wins: full forward on one core, bf16, 9 / 16 / 32
-// rows: 20.6 -> 18.0, 38.2 -> 29.7, 82.7 -> 56.9 ms.)
-template <typename Kn>
-static inline void row2_any(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
-                            float* out, int64_t ldo) {
+// R (1 or 2) weight rows against mb activation rows (1..8 for one weight row, 1..6 for a pair)
+template <typename Kn, int R, bool Inv>
+static inline void row_block(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
+                             float* out, int64_t ldo) {
+  constexpr int kMax = R == 1 ? 8 : 6;
   switch (mb) {
-    case 1: row_kernel<Kn, 2, 1, 2>(w, K, X, ldx, out, ldo); break;
-    case 2: row_kernel<Kn, 2, 2, 2>(w, K, X, ldx, out, ldo); break;
-    case 3: row_kernel<Kn, 2, 3, 2>(w, K, X, ldx, out, ldo); break;
-    case 4: row_kernel<Kn, 2, 4, 1>(w, K, X, ldx, out, ldo); break;
-    case 5: row_kernel<Kn, 2, 5, 1>(w, K, X, ldx, out, ldo); break;
-    default: row_kernel<Kn, 2, 6, 1>(w, K, X, ldx, out, ldo); break;
+    case 1: row_kernel<Kn, R, 1, chains(R, 1, Inv)>(w, K, X, ldx, out, ldo); break;
+    case 2: row_kernel<Kn, R, 2, chains(R, 2, Inv)>(w, K, X, ldx, out, ldo); break;
+    case 3: row_kernel<Kn, R, 3, chains(R, 3, Inv)>(w, K, X, ldx, out, ldo); break;
+    case 4: row_kernel<Kn, R, 4, chains(R, 4, Inv)>(w, K, X, ldx, out, ldo); break;
+    case 5: row_kernel<Kn, R, 5, chains(R, 5, Inv)>(w, K, X, ldx, out, ldo); break;
+    case 6: row_kernel<Kn, R, 6, chains(R, 6, Inv)>(w, K, X, ldx, out, ldo); break;
+    case 7:
+      if constexpr (R == 1) {
+        row_kernel<Kn, 1, 7, chains(1, 7, Inv)>(w, K, X, ldx, out, ldo);
+        break;
+      }
+      [[fallthrough]];
+    default: row_kernel<Kn, R, kMax, chains(R, kMax, Inv)>(w, K, X, ldx, out, ldo); break;
   }
 }
 
 // rows [n0, n1) of W [N, K]; X [M, ldx]; out [M, ldo] (column n of out = row n of W). The activation rows go in
 // balanced blocks (<= 8 rows against one weight row, <= 6 against a pair); the weight rows stay in L1 between
 // the blocks.
-// Batch-invariant variants: 2 chains per (weight row, activation row) at every block size. Each pair's sum runs
-// the same instruction sequence whether its weight row is streamed alone or in a pair, and whatever the rows
-// beside it, so only the chain count must not change.
-template <typename Kn>
-static inline void row2_inv(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
-                            float* out, int64_t ldo) {
-  switch (mb) {
-    case 1: row_kernel<Kn, 2, 1, 2>(w, K, X, ldx, out, ldo); break;
-    case 2: row_kernel<Kn, 2, 2, 2>(w, K, X, ldx, out, ldo); break;
-    case 3: row_kernel<Kn, 2, 3, 2>(w, K, X, ldx, out, ldo); break;
-    case 4: row_kernel<Kn, 2, 4, 2>(w, K, X, ldx, out, ldo); break;
-    case 5: row_kernel<Kn, 2, 5, 2>(w, K, X, ldx, out, ldo); break;
-    default: row_kernel<Kn, 2, 6, 2>(w, K, X, ldx, out, ldo); break;
-  }
-}
-
-template <typename Kn>
-static inline void row_inv(int mb, const typename Kn::W* w, int64_t K, const typename Kn::X* X, int64_t ldx,
-                           float* out, int64_t ldo) {
-  switch (mb) {
-    case 1: row_kernel<Kn, 1, 1, 2>(w, K, X, ldx, out, ldo); break;
-    case 2: row_kernel<Kn, 1, 2, 2>(w, K, X, ldx, out, ldo); break;
-    case 3: row_kernel<Kn, 1, 3, 2>(w, K, X, ldx, out, ldo); break;
-    case 4: row_kernel<Kn, 1, 4, 2>(w, K, X, ldx, out, ldo); break;
-    case 5: row_kernel<Kn, 1, 5, 2>(w, K, X, ldx, out, ldo); break;
-    case 6: row_kernel<Kn, 1, 6, 2>(w, K, X, ldx, out, ldo); break;
-    case 7: row_kernel<Kn, 1, 7, 2>(w, K, X, ldx, out, ldo); break;
-    default: row_kernel<Kn, 1, 8, 2>(w, K, X, ldx, out, ldo); break;
-  }
-}
-
 template <typename Kn>
 static void gemv_rows(const typename Kn::W* W, int64_t K, int64_t n0, int64_t n1, const typename Kn::X* X,
                       int64_t ldx, int M, float* out, int64_t ldo) {
@@ -376,7 +345,8 @@ static void gemv_rows(const typename Kn::W* W, int64_t K, int64_t n0, int64_t n1
     for (; n + 2 <= n1; n += 2)
       for (int i = 0, m0 = 0; i < nb2; i++) {
         const int mb = M / nb2 + (i < M % nb2 ? 1 : 0);
-        (inv ? row2_inv<Kn> : row2_any<Kn>)(mb, W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
+        (inv ? row_block<Kn, 2, true> : row_block<Kn, 2, false>)(mb, W + n * K, K, X + m0 * ldx, ldx,
+                                                                 out + m0 * ldo + n, ldo);
         m0 += mb;
       }
   }
@@ -384,7 +354,8 @@ static void gemv_rows(const typename Kn::W* W, int64_t K, int64_t n0, int64_t n1
   for (; n < n1; n++)
     for (int i = 0, m0 = 0; i < nblk; i++) {
       const int mb = M / nblk + (i < M % nblk ? 1 : 0);
-      (inv ? row_inv<Kn> : row_any<Kn>)(mb, W + n * K, K, X + m0 * ldx, ldx, out + m0 * ldo + n, ldo);
+      (inv ? row_block<Kn, 1, true> : row_block<Kn, 1, false>)(mb, W + n * K, K, X + m0 * ldx, ldx,
+                                                               out + m0 * ldo + n, ldo);
       m0 += mb;
     }
 }
