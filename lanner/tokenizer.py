@@ -6,6 +6,8 @@ import os
 import re
 import secrets
 
+from tokenizers import Tokenizer as RustTokenizer
+
 from lanner.models.loader import ModelSource, load_tokenizer
 
 # message fields whose values steer the template's branches rather than being text it prints
@@ -26,6 +28,14 @@ class Tokenizer:
             eos |= set(e if isinstance(e, list) else [e] if e is not None else [])
         self.eos_token_ids = sorted(eos)
         self.vocab_size = len(self.hf)
+        # untrusted text goes through its own copy of the Rust tokenizer with special-token parsing off for good:
+        # transformers' split_special_tokens=True flips that flag on the shared backend per call, and requests
+        # are tokenized on several threads, so one request's user text would make another's template split its
+        # own <|im_start|> into plain text
+        self._plain = RustTokenizer.from_str(self.hf.backend_tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        self._plain.no_truncation()
+        self._plain.no_padding()
 
     def encode(self, text: str) -> list[int]:
         """A raw prompt: special-token strings in it ARE parsed as special tokens (as vLLM and HF do)."""
@@ -33,7 +43,7 @@ class Tokenizer:
 
     def encode_text(self, text: str) -> list[int]:
         """Untrusted text: special-token strings in it stay plain text."""
-        return self.hf.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -60,10 +60,9 @@ async def chat(client: openai.AsyncOpenAI, model: str, req: dict) -> tuple[str, 
 
 
 def test_soak():
-    # plain decoding on the engine's own float32 forward. With speculation on (hybrid, the default) one greedy
-    # answer of the 10 differed from the same request served alone, on the own forward and on lowlat alike:
-    # an open bug (docs/status.md); speculation's losslessness is tested at batch 1 and in mixed batches of 4
-    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", max_num_seqs=16, plugin=None, spec=None)))
+    # the default engine (lowlat, hybrid speculation) in float32. This soak found the tokenizer race of
+    # tests/test_tokenizer.py::test_chat_template_is_thread_safe: prompts tokenized on concurrent threads
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", max_num_seqs=16)))
     requests = make_requests()
     try:
         with serve(build_app(engine)) as base:
