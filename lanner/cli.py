@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from lanner.config import DTYPES, KV_TIERS, SPEC_KINDS, SPEC_MAX_TOKENS, EngineConfig
+from lanner.config import GROUPS, EngineConfig
 from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 
 SUBCOMMANDS = []
@@ -29,7 +29,8 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action):
         help = action.help or ""
-        if "default" in help or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        if "default" in help or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings \
+                or action.nargs == 0:  # an on/off flag: its help says what it does
             return help
         return f"{help} (default: %(default)s)"
 
@@ -39,9 +40,6 @@ def new_parser(sub, name: str, help: str, description: str | None = None) -> arg
 
 
 # ------------------------------------------------------------------ shared options
-
-_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-
 
 def tp_sizes(text: str) -> list[int]:
     """'2' or '1,2' -> [2] / [1, 2] (argparse type of --tp)."""
@@ -54,74 +52,43 @@ def tp_sizes(text: str) -> list[int]:
     return sizes
 
 
-def add_engine_args(p: argparse.ArgumentParser, tp_sweep: bool = False):
-    """The EngineConfig options; defaults come from EngineConfig so they are stated once. tp_sweep: --tp takes a
-    comma list of sizes to compare (benchmarks)."""
-    g = p.add_argument_group("engine options")
-    g.add_argument("--model", default=None,
-                   help="Hugging Face model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", choices=sorted(DTYPES), default=_ENGINE_DEFAULTS["dtype"], help="weights and KV dtype")
-    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    g.add_argument("--weights", choices=["dequantize", "stored"], default=_ENGINE_DEFAULTS["weights"],
-                   help="GGUF files: dequantize to --dtype at load, or keep Q4_0/Q4_1/Q5_0/Q8_0 blocks as stored "
-                        "(docs/quantized.md)")
-    g.add_argument("--block-size", type=int, default=_ENGINE_DEFAULTS["block_size"],
-                   help="tokens per KV-cache block (a power of two)")
-    g.add_argument("--kv-cache-memory", default=_ENGINE_DEFAULTS["kv_cache_memory"],
-                   help="KV-cache size: 'auto', GiB ('2GiB'), or a fraction of free memory (0.5)")
-    g.add_argument("--max-num-seqs", type=int, default=_ENGINE_DEFAULTS["max_num_seqs"],
-                   help="requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=_ENGINE_DEFAULTS["max_num_batched_tokens"],
-                   help="tokens per engine step (longer prompts are prefilled in chunks)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
-    g.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prefixes")
-    g.add_argument("--max-queue-len", type=int, default=_ENGINE_DEFAULTS["max_queue_len"],
-                   help="waiting requests beyond which new ones are refused")
-    g = p.add_argument_group("tensor parallelism")
-    g.add_argument("--tp", type=tp_sizes, default=None, metavar="N[,N]" if tp_sweep else "N",
-                   help=("tensor-parallel sizes to run and compare, e.g. 1,2" if tp_sweep else
-                         "tensor-parallel size: N processes, each holding a shard of every layer (Lanner starts "
-                         "them; under torchrun it is WORLD_SIZE)") + " (default: 1, or WORLD_SIZE under torchrun)")
-    g.add_argument("--tp-timeout", type=float, default=_ENGINE_DEFAULTS["tp_timeout_s"], metavar="SECONDS",
-                   help="longest wait of any tensor-parallel collective: a rank that dies or hangs is an error "
-                        "within it")
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec", choices=["auto", *SPEC_KINDS, "none"], default="auto",
-                   help="draft proposer: n-gram prompt lookup, a draft (--draft) head/model, 'suffix' (suffix index "
-                        "over the request and earlier outputs), or 'hybrid' (suffix or draft head per request and "
-                        "step); 'auto': hybrid with the shipped head on the bundled model (or --draft when given), "
-                        "plain decoding elsewhere")
-    g.add_argument("--no-spec", dest="spec", action="store_const", const="none",
-                   help="plain decoding (same as --spec none)")
-    g.add_argument("--draft", default=None,
-                   help="draft: 'default' or 'hass' (shipped heads), 'mtp' (the checkpoint's MTP layer), a head "
-                        "folder (config.json + model.safetensors) or a smaller model sharing the tokenizer")
-    g.add_argument("--spec-tokens", type=int, default=_ENGINE_DEFAULTS["spec_tokens"],
-                   help="draft tokens verified per step (1..8; default: 3 with a draft, 5 with n-grams)")
-    g.add_argument("--spec-max-tokens", type=int, default=_ENGINE_DEFAULTS["spec_max_tokens"],
-                   help=f"most tokens of a suffix draft (suffix, hybrid; 1..{SPEC_MAX_TOKENS})")
-    g.add_argument("--spec-max-batch", type=int, default=_ENGINE_DEFAULTS["spec_max_batch"],
-                   help="speculate only while at most this many requests run")
-    g = p.add_argument_group("UlaCache: sparse decoding over a tiered KV store (CPU)")
-    g.add_argument("--kv-tier", choices=KV_TIERS, default=None,
-                   help="replace the paged cache: 'ula-dp' (device pool + host tier behind logical addresses), "
-                        "'ula-tp' (--tp > 1, DSA models: one address space over the ranks' pools), 'hisparse' "
-                        "(history on the host + a device buffer per request), 'gpu-only'")
-    for name, help_text in [("kv_device_gb", "device KV pool per rank, GiB"),
-                            ("kv_host_gb", "host KV tier per rank, GiB"),
-                            ("sparse_budget", "tokens each decode query reads per layer group"),
-                            ("sparse_group", "layers sharing one selection"), ("sparse_page", "tokens per page")]:
-        g.add_argument("--" + name.replace("_", "-"), type=type(_ENGINE_DEFAULTS[name]),
-                       default=_ENGINE_DEFAULTS[name], help=help_text)
-    g = p.add_argument_group("kernel plugins")
-    g.add_argument("--plugin", "--plugins", dest="plugin", default=_ENGINE_DEFAULTS["plugin"],
-                   help="'auto' (default): use every installed plugin that fits, skip the rest; NAME[,NAME]: use "
-                        "these and stop if one does not fit; 'none': the engine's own forward ('lanner plugins "
-                        "list' shows them)")
-    g.add_argument("--plugin-option", action="append", default=[], metavar="NAME.KEY=VALUE",
-                   help="an option for a plugin (VALUE is parsed as JSON when it can be); repeatable")
-    g.add_argument("--plugin-verify", type=int, default=0, metavar="N",
-                   help="run plugin and own forward for the first N steps of each kind; stop on mismatch")
+def _flag_args(f: dataclasses.Field) -> tuple[list[str], dict]:
+    """The argparse flags and keywords of an EngineConfig field, from its metadata (lanner.config.option)."""
+    meta = f.metadata
+    flags = list(meta["flags"]) or ["--" + f.name.replace("_", "-")]
+    kw = {"dest": f.name, "help": meta["help"], **meta["argparse"]}
+    if f.type == "bool":  # a flag that flips the default
+        kw["action"] = "store_false" if f.default else "store_true"
+    elif kw.get("action") == "append":
+        kw["default"] = []
+    else:
+        kw["default"] = f.default
+        kind = f.type.replace(" ", "").split("|")[0]
+        if kind in ("int", "float") and "choices" not in kw:
+            kw["type"] = int if kind == "int" else float
+    return flags, kw
+
+
+def add_config_args(p: argparse.ArgumentParser, names: list[str] | None = None, tp_sweep: bool = False,
+                    also: tuple[str, ...] = ()):
+    """EngineConfig's options (`names`, or every field with cli=True, plus `also`), grouped as lanner.config.GROUPS; flags,
+    defaults and help come from the fields, so each is stated once. tp_sweep: --tp takes a comma list of sizes to
+    compare (benchmarks)."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for f in dataclasses.fields(EngineConfig):
+        if not (f.name in names if names is not None else f.metadata["cli"] or f.name in also):
+            continue
+        group = f.metadata["group"]
+        g = groups.get(group) or groups.setdefault(group, p.add_argument_group(GROUPS[group]))
+        flags, kw = _flag_args(f)
+        if f.name == "tp":  # a size, or WORLD_SIZE under torchrun, or a list to sweep (tp_size_arg)
+            kw.update(type=tp_sizes, default=None, metavar="N[,N]" if tp_sweep else "N",
+                      help=("tensor-parallel sizes to run and compare, e.g. 1,2" if tp_sweep else kw["help"]) +
+                      " (default: 1, or WORLD_SIZE under torchrun)")
+        g.add_argument(*flags, **kw)
+        if f.name == "spec":
+            g.add_argument("--no-spec", dest="spec", action="store_const", const="none",
+                           help="plain decoding (same as --spec none)")
 
 
 def engine_kwargs(args) -> dict:
@@ -129,17 +96,8 @@ def engine_kwargs(args) -> dict:
     bad option fails with its message before any model loading."""
     from lanner.models.loader import ModelSource
 
-    kwargs = dict(model=args.model, dtype=args.dtype, weights=args.weights, device=args.device,
-                  block_size=args.block_size,
-                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                  enable_prefix_caching=not args.no_prefix_caching, max_queue_len=args.max_queue_len,
-                  spec=args.spec, draft=args.draft, spec_tokens=args.spec_tokens, spec_max_tokens=args.spec_max_tokens,
-                  spec_max_batch=args.spec_max_batch, plugin=args.plugin,
-                  plugin_options=plugin_options(args.plugin_option) or None, plugin_verify=args.plugin_verify,
-                  tp=tp_size_arg(args), tp_timeout_s=args.tp_timeout, kv_tier=args.kv_tier,
-                  kv_device_gb=args.kv_device_gb, kv_host_gb=args.kv_host_gb, sparse_budget=args.sparse_budget,
-                  sparse_group=args.sparse_group, sparse_page=args.sparse_page)
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.metadata["cli"]}
+    kwargs.update(plugin_options=plugin_options(args.plugin_options) or None, tp=tp_size_arg(args))
     try:
         EngineConfig(**kwargs)
         ModelSource.resolve(args.model)
@@ -248,14 +206,13 @@ def add_serve(sub):
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("LANNER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $LANNER_API_KEY; unset: no auth)")
-    p.add_argument("--served-model-name", default=None, help="model name reported by the API")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--max-body-size", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body accepted; bigger ones get 413 (default: %(default)s)")
     p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="SECONDS",
                    help="on SIGTERM, how long requests in flight may run before they are aborted "
                         "(default: %(default)s)")
-    add_engine_args(p)
+    add_config_args(p, also=("served_model_name",))
     p.set_defaults(run=run_serve)
 
 
@@ -278,7 +235,7 @@ def add_generate(sub):
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--stream", action="store_true", help="print tokens as they are generated")
     add_sampling_args(p, max_tokens=256, temperature=1.0)  # 1.0: the API's default
-    add_engine_args(p)
+    add_config_args(p)
     p.set_defaults(run=run_generate)
 
 
@@ -312,7 +269,7 @@ def add_chat(sub):
                    "commands: /reset clears the conversation, /exit (or Ctrl-D) quits, Ctrl-C stops a reply.")
     p.add_argument("--system", default=None, help="system message for the conversation")
     add_sampling_args(p, max_tokens=512, temperature=0.7)
-    add_engine_args(p)
+    add_config_args(p)
     p.set_defaults(run=run_chat)
 
 
@@ -370,7 +327,7 @@ def add_bench(sub):
         b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
         module.add_arguments(b)
         sweep = name in ("latency", "memory")  # these compare tensor-parallel sizes: --tp 1,2
-        add_engine_args(b, tp_sweep=sweep)
+        add_config_args(b, tp_sweep=sweep)
         b.set_defaults(run=_bench_runner(module), tp_sweep=sweep)
 
 
@@ -389,7 +346,7 @@ def _eval_command(sub, name: str, module: str):
     mod = importlib.import_module(f"lanner.train.{module}")
     p = sub.add_parser(name, help=mod.HELP, description=mod.DESCRIPTION, formatter_class=_Formatter,
                        conflict_handler="resolve")
-    add_engine_args(p)
+    add_config_args(p)
     mod.add_arguments(p)
 
     def run(args):  # the result dict is written to a file; the command's exit status is 0
@@ -419,7 +376,7 @@ def add_train_draft(sub):
                    "--data, resumable), then trains a draft head with training-time test over --ttt-steps chained "
                    "steps, top-K distillation and harmonized context alignment. Writes the head (config.json + "
                    "model.safetensors), training.json (cost, loss history) and loss.png to --out.")
-    add_engine_args(p)
+    add_config_args(p)
     p.add_argument("--out", required=True, help="output folder for the head")
     p.add_argument("--data", default="data/train-draft", help="folder of the regenerated training data")
     p.add_argument("--num-prompts", type=int, default=400, help="ShareGPT training prompts to use")
@@ -488,7 +445,7 @@ def add_rcsd(sub):
                    "without verification (cached in --data, resumable); then continues training the head with DPO "
                    "or GRPO against the frozen --init head as reference. Writes the head, training.json (cost, "
                    "history) and curves.png to --out.")
-    add_engine_args(p)
+    add_config_args(p)
     p.add_argument("--method", choices=["dpo", "grpo"], required=True)
     p.add_argument("--init", default="hass", help="the HASS head to start from: 'hass', 'default' or a folder")
     p.add_argument("--out", required=True, help="output folder for the trained head")
@@ -547,11 +504,7 @@ def add_plugins(sub):
     cmd = p.add_subparsers(dest="plugins_command", metavar="{list,check}", required=True)
     new_parser(cmd, "list", "List installed plugins.").set_defaults(run=run_plugins_list)
     c = new_parser(cmd, "check", "Check which plugins fit a model, device and dtype.")
-    c.add_argument("--model", default=None, help="HF folder or .gguf (default: the bundled model)")
-    c.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)")
-    c.add_argument("--dtype", choices=sorted(DTYPES), default=_ENGINE_DEFAULTS["dtype"])
-    c.add_argument("--plugin-option", action="append", default=[], metavar="NAME.KEY=VALUE",
-                   help="an option for a plugin; repeatable")
+    add_config_args(c, ["model", "device", "dtype", "plugin_options"])
     c.set_defaults(run=run_plugins_check)
 
 
@@ -583,7 +536,7 @@ def run_plugins_check(args):
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")
     hw = Hardware.detect(config.device, config.torch_dtype)
-    options = plugin_options(args.plugin_option)
+    options = plugin_options(args.plugin_options)
     print(f"model {model_config.architecture} ({args.model or 'bundled default'}), {hw.device} "
           f"({hw.device_name}), {args.dtype}\n")
     print("| plugin | result |\n|---|---|")
@@ -617,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and rank > 0 and hasattr(args, "tp_timeout"):
+    if world > 1 and rank > 0 and hasattr(args, "tp_timeout_s"):
         # torchrun: ranks > 0 serve rank 0's engine instead of running the command
         from lanner.distributed.worker import run_worker
         from lanner.engine.llm_engine import LLMEngine

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,70 +13,97 @@ SPEC_KINDS = ("ngram", "draft", "suffix", "hybrid")
 SPEC_MAX_TOKENS = 32  # longest suffix draft: 33 verify rows per request stay within lowlat's default 72 at batch 2
 
 
+# an EngineConfig field's group -> the title of its section in `lanner ... --help`
+GROUPS = {"model": "model", "cache": "KV cache and scheduling", "spec": "speculative decoding",
+          "plugins": "kernel plugins", "parallel": "tensor parallelism",
+          "kv_tier": "UlaCache: sparse decoding over a tiered KV store (CPU)"}
+
+
+def option(default, group: str, help: str, cli: bool = True, flags: tuple[str, ...] = (), **argparse_kw):
+    """An EngineConfig field with its group and its one help text; the command line's options are generated from
+    these (lanner.cli.add_config_args: flag --field-name unless `flags`, type from the annotation, `argparse_kw`
+    passed on). cli=False: Python API only."""
+    return field(default=default, metadata={"group": group, "help": help, "cli": cli, "flags": flags,
+                                            "argparse": argparse_kw})
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the bundled SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"
-    # GGUF files: "dequantize" every tensor to `dtype` at load, or "stored": keep Q4_0 / Q4_1 / Q5_0 / Q8_0 blocks
-    # as stored (lanner.models.quant; lowlat runs them with its quantized kernels, the engine's own forward
-    # dequantizes tiles on the fly); other types are dequantized either way
-    weights: str = "dequantize"
-    device: str | None = None  # None: cuda if available, else cpu
-    block_size: int = 16
-    kv_cache_memory: str | float = "auto"  # "auto", GiB ("2GiB" or 2.0 > 1), or a fraction (0 < x <= 1)
-    max_num_seqs: int = 64  # running requests
-    max_queue_len: int = 1024  # waiting requests; beyond it new requests are refused
-    max_num_batched_tokens: int = 512  # per-step token budget (chunked prefill)
-    max_model_len: int | None = None  # None: the model's context length
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    served_model_name: str | None = None
-    skip_tokenizer: bool = False  # token ids in and out only
-    # "auto": hybrid (suffix drafts or the shipped draft head, per step) on the bundled model the head was trained
-    # for, a given `draft` elsewhere, else plain decoding; None / "none": plain; "ngram" (prompt lookup); "draft"
-    # (needs `draft`); "suffix" (lanner.spec.suffix); "hybrid" (suffix or draft per request and step,
-    # lanner.spec.hybrid; needs `draft`, "default" on the bundled model). Resolved here, so `spec` is None or one of
-    # SPEC_KINDS after construction
-    spec: str | None = "auto"
-    draft: str | None = None  # "default", "hass", "mtp", a head folder, or a smaller model with the same tokenizer
-    # k: draft tokens verified per step. None: 5 for n-grams; 3 for drafts (the shipped head's tau is flat beyond
-    # 3 steps, and each step costs a head forward: README "Draft heads")
-    spec_tokens: int | None = None
-    # suffix drafts: at most this many tokens (fewer when the match is shorter; lanner.spec.suffix)
-    spec_max_tokens: int = 16
-    # speculate only while at most this many requests run: on the 2-core CPU, n-gram drafting (tau ~1.7 on chat)
-    # gained 1.08x at 1 request, broke even at 2-4 and lost at 8 (0.86x) and 16 (0.70x): results/bench_spec_batch
-    spec_max_batch: int = 4
-    # constrained requests (lanner.structured) draft up to this many tokens their grammar forces, without a
-    # proposer and whatever `spec` is (the target verifies them as any draft); 0: off
-    grammar_draft_tokens: int = 8
-    ngram_min: int = 1
-    ngram_max: int = 4
-    # kernel plugins (lanner.plugins): "auto" (the default: use what fits, skip the rest; e.g. lowlat on a CPU),
-    # None/"none", or "name[,name]" (each must fit or the engine stops); options per plugin name; verify: run both
-    # paths for the first N steps of each kind and raise on mismatch
-    plugin: str | None = "auto"
-    plugin_options: dict | None = None
-    plugin_verify: int = 0
-    # tensor parallelism: tp processes, each holding a shard of every layer (rank 0 is this process; Lanner
-    # spawns the others, or they come from torchrun). tp_timeout_s bounds every collective: a rank that dies or
-    # hangs turns into a TPError within it
-    tp: int = 1
-    tp_timeout_s: float = 60.0
-    # UlaCache (lanner.kvcache.ula): sparse decoding over a tiered KV store instead of the paged cache.
-    # None: the paged cache; "ula-dp": a device pool + a host tier behind logical addresses (PB-LRU), capacity
-    # their sum; "ula-tp" (tp > 1, DSA models): the ranks' pools form one address space, entry t on rank t mod tp;
-    # "hisparse": the full history on the host + a device buffer per request; "gpu-only": every entry in the
-    # device pool. Budgets are per rank. Prefill is dense; dense models: each decode query reads `sparse_budget`
-    # tokens (whole pages of `sparse_page`, Quest) per group of `sparse_group` layers sharing one selection;
-    # DeepSeek-V3.2 / GLM-5: the model's own indexer selects
-    kv_tier: str | None = None
-    kv_device_gb: float = 0.25
-    kv_host_gb: float = 1.0
-    sparse_budget: int = 256
-    sparse_group: int = 10
-    sparse_page: int = 16
-    kv_poison: bool = False  # debug: NaN-fill every slot that loses its entry, so a read ahead of its data shows
+    """Every engine option, validated once here (errors name the field). Flat keyword arguments, as vLLM's
+    EngineArgs, so `LLM(spec="ngram")` stays one line; each field belongs to a group (GROUPS) for the CLI and docs."""
+    # ---- model
+    model: str | None = option(None, "model", "Hugging Face model folder or .gguf file (default: the bundled "
+                               "SmolLM2-135M-Instruct)")
+    dtype: str = option("bfloat16", "model", "weights and KV dtype", choices=sorted(DTYPES))
+    weights: str = option("dequantize", "model", "GGUF files: dequantize every tensor to --dtype at load, or keep "
+                          "Q4_0/Q4_1/Q5_0/Q8_0 blocks as stored (lowlat runs them with its quantized kernels, the "
+                          "engine's own forward dequantizes tiles on the fly; docs/quantized.md)",
+                          choices=["dequantize", "stored"])
+    device: str | None = option(None, "model", "cpu or cuda[:N] (default: cuda when available, else cpu)")
+    seed: int = option(0, "model", "torch's global seed, set at engine start (sampling without a request seed draws from it)", cli=False)
+    served_model_name: str | None = option(None, "model", "model name reported by the API", cli=False)
+    skip_tokenizer: bool = option(False, "model", "token ids in and out only", cli=False)
+    # ---- KV cache and scheduling
+    block_size: int = option(16, "cache", "tokens per KV-cache block (a power of two)")
+    kv_cache_memory: str | float = option("auto", "cache", "KV-cache size: 'auto', GiB ('2GiB', or a number > 1), "
+                                          "or a fraction of free memory (0.5)")
+    max_num_seqs: int = option(64, "cache", "requests running at once")
+    max_queue_len: int = option(1024, "cache", "waiting requests beyond which new ones are refused")
+    max_num_batched_tokens: int = option(512, "cache", "tokens per engine step (longer prompts are prefilled in "
+                                         "chunks)")
+    max_model_len: int | None = option(None, "cache", "context length cap (default: the model's)")
+    enable_prefix_caching: bool = option(True, "cache", "do not reuse KV blocks of shared prefixes",
+                                         flags=("--no-prefix-caching",))
+    # ---- speculative decoding. `spec` is resolved at construction: None or one of SPEC_KINDS after it
+    spec: str | None = option(
+        "auto", "spec", "draft proposer: 'ngram' (prompt lookup), 'draft' (--draft head or model), 'suffix' (suffix "
+        "index over the request and earlier outputs), 'hybrid' (suffix or draft head per request and step), "
+        "'none'; 'auto': hybrid with the shipped head on the bundled model (or draft when --draft is given), plain "
+        "decoding elsewhere",
+        choices=["auto", *SPEC_KINDS, "none"])
+    draft: str | None = option(None, "spec", "draft: 'default' or 'hass' (shipped heads), 'mtp' (the checkpoint's "
+                               "MTP layer), a head folder (config.json + model.safetensors) or a smaller model "
+                               "sharing the tokenizer")
+    # the shipped head's tau is flat beyond 3 steps and each step costs a head forward (docs/draft-heads.md)
+    spec_tokens: int | None = option(None, "spec", "draft tokens verified per step (1..8; default: 3 with a draft, "
+                                     "5 with n-grams)")
+    spec_max_tokens: int = option(16, "spec", f"most tokens of a suffix draft (suffix, hybrid; 1..{SPEC_MAX_TOKENS};"
+                                  " fewer when the match is shorter)")
+    # on the 2-core CPU, n-gram drafting (tau ~1.7 on chat) gained 1.08x at 1 request, broke even at 2-4 and lost
+    # at 8 (0.86x) and 16 (0.70x): results/bench_spec_batch
+    spec_max_batch: int = option(4, "spec", "speculate only while at most this many requests run")
+    grammar_draft_tokens: int = option(8, "spec", "constrained requests draft up to this many tokens their grammar "
+                                       "forces, with any --spec (the target verifies them); 0: off")
+    ngram_min: int = option(1, "spec", "shortest n-gram the prompt-lookup proposer matches")
+    ngram_max: int = option(4, "spec", "longest n-gram the prompt-lookup proposer matches")
+    # ---- kernel plugins (lanner.plugins)
+    plugin: str | None = option("auto", "plugins", "'auto': use every installed plugin that fits, skip the rest "
+                                "(lowlat on a CPU); NAME[,NAME]: use these and stop if one does not fit; 'none': the "
+                                "engine's own forward ('lanner plugins list' shows them)", flags=("--plugin", "--plugins"))
+    plugin_options: dict | None = option(None, "plugins", "an option for a plugin (VALUE is parsed as JSON when it "
+                                         "can be); repeatable. Python: {plugin name: {option: value}}",
+                                         flags=("--plugin-option",), action="append", metavar="NAME.KEY=VALUE")
+    plugin_verify: int = option(0, "plugins", "run plugin and own forward for the first N steps of each kind; stop "
+                                "on mismatch", metavar="N")
+    # ---- tensor parallelism
+    tp: int = option(1, "parallel", "tensor-parallel size: N processes, each holding a shard of every layer (Lanner "
+                     "starts them; under torchrun it is WORLD_SIZE)")
+    tp_timeout_s: float = option(60.0, "parallel", "longest wait of any tensor-parallel collective: a rank that dies "
+                                 "or hangs is an error (TPError) within it", flags=("--tp-timeout",), metavar="SECONDS")
+    # ---- UlaCache (lanner.kvcache.ula). Budgets are per rank. Prefill is dense; dense models: each decode query
+    # reads `sparse_budget` tokens (whole pages of `sparse_page`, Quest) per group of `sparse_group` layers sharing
+    # one selection; DeepSeek-V3.2 / GLM-5: the model's own indexer selects
+    kv_tier: str | None = option(
+        None, "kv_tier", "replace the paged cache: 'ula-dp' (device pool + host tier behind logical addresses, "
+        "PB-LRU), 'ula-tp' (tp > 1, DSA models: one address space over the ranks' pools), 'hisparse' (history on "
+        "the host + a device buffer per request), 'gpu-only' (every entry in the device pool)", choices=KV_TIERS)
+    kv_device_gb: float = option(0.25, "kv_tier", "device KV pool per rank, GiB")
+    kv_host_gb: float = option(1.0, "kv_tier", "host KV tier per rank, GiB")
+    sparse_budget: int = option(256, "kv_tier", "tokens each decode query reads per layer group")
+    sparse_group: int = option(10, "kv_tier", "layers sharing one selection")
+    sparse_page: int = option(16, "kv_tier", "tokens per page")
+    kv_poison: bool = option(False, "kv_tier", "debug: NaN-fill every slot that loses its entry, so a read ahead "
+                             "of its data shows", cli=False)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -111,6 +138,8 @@ class EngineConfig:
             self.draft = "default"
         if self.spec in ("draft", "hybrid") and not self.draft:
             raise ValueError(f"draft: spec={self.spec!r} needs a draft model path")
+        if self.draft and self.spec not in ("draft", "hybrid"):
+            raise ValueError(f"draft: {self.draft!r} is given but spec={self.spec!r} does not use it; drop one of them")
         if isinstance(self.spec_max_tokens, bool) or not isinstance(self.spec_max_tokens, int) or \
                 not 1 <= self.spec_max_tokens <= SPEC_MAX_TOKENS:
             raise ValueError(f"spec_max_tokens: must be an integer in 1..{SPEC_MAX_TOKENS}, "
@@ -153,8 +182,9 @@ class EngineConfig:
         if self.plugin not in (None, "", "none", "auto"):
             raise ValueError(f"plugin: kernel plugins ({self.plugin!r}) do not cover sparse decoding over "
                              f"kv_tier={self.kv_tier!r}; drop one of them")
-        if self.spec not in (None, "none", "auto"):
-            raise ValueError("kv_tier: speculative decoding does not run over UlaCache; drop --spec")
+        if self.spec not in (None, "none", "auto") or self.draft:
+            raise ValueError(f"kv_tier: speculative decoding does not run over UlaCache; drop "
+                             f"{'spec' if self.spec not in (None, 'none', 'auto') else 'draft'} or kv_tier")
         self.spec = None
         for name in ("kv_device_gb", "kv_host_gb"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:

@@ -110,3 +110,25 @@ def test_bench_throughput(tmp_path):
     assert data["levels"][1]["ratio_vs_plain"] == 1.0
     assert (tmp_path / "tp.png").stat().st_size > 0
     assert "| plain | 2 | 2 |" in r.stdout
+
+
+def test_engine_options_are_generated_from_the_config_fields():
+    """Every EngineConfig field marked for the CLI parses into the keyword EngineConfig takes, with its default when
+    not given; renamed and inverted flags land on their field."""
+    import dataclasses
+
+    from lanner.cli import build_parser, engine_kwargs
+    from lanner.config import EngineConfig
+
+    defaults = engine_kwargs(build_parser().parse_args(["generate", "hi"]))
+    cli_fields = [f for f in dataclasses.fields(EngineConfig) if f.metadata["cli"]]
+    assert set(defaults) == {f.name for f in cli_fields}
+    assert all(defaults[f.name] == f.default for f in cli_fields)
+    args = build_parser().parse_args(["generate", "hi", "--no-prefix-caching", "--plugin-option", "lowlat.threads=1",
+                                      "--plugin-option", "lowlat.act=q8", "--tp-timeout", "5", "--spec-tokens", "4",
+                                      "--kv-cache-memory", "0.5", "--ngram-max", "3", "--no-spec", "--plugins", "none"])
+    kw = engine_kwargs(args)
+    assert {k: v for k, v in kw.items() if v != defaults[k]} == {
+        "enable_prefix_caching": False, "plugin_options": {"lowlat": {"threads": 1, "act": "q8"}}, "tp_timeout_s": 5.0,
+        "spec_tokens": 4, "kv_cache_memory": "0.5", "ngram_max": 3, "spec": "none", "plugin": "none"}
+    assert EngineConfig(**kw).spec is None

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from lanner import LLM, SamplingParams
 from lanner.engine.runner import ModelRunner, SeqChunk
 from lanner.models import deepseek
-from lanner.models.deepseek import rope_frequencies, softmax_scale
+from lanner.models.mla_rope import rope_frequencies, softmax_scale
 from lanner.models.loader import ModelSource, load_model
 from lanner.models.tiny import make_tiny_model
 

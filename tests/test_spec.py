@@ -53,6 +53,11 @@ def test_speculation_is_on_by_default_with_the_shipped_head(llm32, plain_outputs
     assert engine_kwargs(build_parser().parse_args(["generate", "x", "--no-spec"]))["spec"] == "none"
     with pytest.raises(ValueError, match="spec_tokens"):
         EngineConfig(spec_tokens=9)
+    # a combination where one field would be ignored is an error naming both, never a silent rewrite
+    with pytest.raises(ValueError, match="draft: 'hass' is given but spec='ngram'"):
+        EngineConfig(spec="ngram", draft="hass")
+    with pytest.raises(ValueError, match="drop draft or kv_tier"):
+        EngineConfig(kv_tier="ula-dp", draft="hass")
 
 
 @pytest.fixture(scope="module")

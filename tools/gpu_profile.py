@@ -1,5 +1,5 @@
 """torch.profiler of Lanner's decode steps on CUDA at batch 8 (random SmolLM2-geometry weights)."""
-import os, sys, time
+import os, sys
 import torch
 sys.path.insert(0, os.getcwd())
 from transformers import LlamaConfig, LlamaForCausalLM
