@@ -21,7 +21,7 @@ GROUPS = {"model": "model", "cache": "KV cache and scheduling", "spec": "specula
 
 def option(default, group: str, help: str, cli: bool = True, flags: tuple[str, ...] = (), **argparse_kw):
     """An EngineConfig field with its group and its one help text; the command line's options are generated from
-    these (lanner.cli.add_config_args: flag --field-name unless `flags`, type from the annotation, `argparse_kw`
+    these (lanner.cli.options.add_config_args: flag --field-name unless `flags`, type from the annotation, `argparse_kw`
     passed on). cli=False: Python API only."""
     return field(default=default, metadata={"group": group, "help": help, "cli": cli, "flags": flags,
                                             "argparse": argparse_kw})

@@ -107,6 +107,23 @@ def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plai
     # a repetition the suffix index predicts: several tokens per step
     assert batch[0].metrics["spec_accept_length"] > 2.0
     assert llm.engine.block_manager.num_used == 0
+    if spec == "hybrid":  # cost-aware: both times are measured as it runs; a head too slow to pay never drafts, a
+        p = llm.engine.proposer  # free one drafts where the suffix index has little (fresh prompts for each)
+        assert p.verify_s > 0
+        fresh = {"slow": ["Name three rivers in Africa.", "Write a haiku about snow."],
+                 "free": ["List two uses of copper.", "Describe a lighthouse in one sentence."]}
+        saved, runs = p.head_s, {}
+        try:
+            for name, head_s in (("slow", 1e6 * p.verify_s), ("free", 0.0)):
+                p.head_s = head_s
+                runs[name] = llm.generate(fresh[name], GREEDY)
+        finally:
+            p.head_s = saved
+        assert not any(p.head.name in o.metrics["spec_draft_tokens"] for o in runs["slow"])
+        assert any(p.head.name in o.metrics["spec_draft_tokens"] for o in runs["free"])
+        off = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False)
+        for name, outs in runs.items():
+            assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(fresh[name], off)]
 
 
 def test_server_passes_user_and_reports_drafts_per_proposer():

@@ -328,6 +328,7 @@ class LLMEngine:
                           for it in items]
                 kind = StepKind.PREFILL if any(it.num_tokens > 1 for it in items) else \
                     StepKind.VERIFY if spec else StepKind.DECODE
+                t_forward = time.perf_counter()
                 logits = self.runner.run(chunks, kind) if self.tp is None else \
                     self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind))
                 emitted, plain_rows, plain_reqs, row = {}, [], [], 0
@@ -351,6 +352,8 @@ class LLMEngine:
                     result = sample(logits[plain_rows], plain_reqs)
                     for r, tok, lp in zip(plain_reqs, result.token_ids, result.logprobs):
                         emitted[id(r)] = (tok, lp)
+                if kind == StepKind.VERIFY and self.proposer is not None:  # forward + verify; tokens on the host now
+                    self.proposer.after_step(time.perf_counter() - t_forward)
             except TPError as e:  # the ranks are out of step: fail everything, refuse new work
                 self._fail_engine(e)
                 raise

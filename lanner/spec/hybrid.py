@@ -1,18 +1,25 @@
-"""Hybrid speculation: per request and per step, the suffix draft or the draft head's.
+"""Hybrid speculation: per request and per step, the suffix draft, the draft head's, or none, whichever is
+expected to emit the most tokens per unit of time.
 
-The suffix draft comes with its score, the tokens it expects to get accepted (lanner.spec.suffix). The head's
-expectation is the running mean of its accepted tokens per verify step on this request (a prior until it has
-drafted). The suffix draft wins when its score beats that; otherwise the head drafts, up to its own k. A
-suffix draft costs microseconds, a head draft a head forward per token, so requests that the suffix index
-serves well also skip the head's forwards.
+The suffix draft comes with its score, the tokens it expects to get accepted (lanner.spec.suffix); it costs
+microseconds. The head's expectation is the running mean of its accepted tokens per verify step on this request
+(a prior until it has drafted), and it costs a head forward per token: with a verify step taking T and a head
+draft H, the head yields (1 + head accepted) tokens per T + H, a suffix draft (1 + score) per T. Both times are
+measured as the engine runs (moving averages of the verify forwards and of the head's drafting calls), so the
+choice follows the hardware: on lowlat's CPU path a head draft costs about as much as the verify step itself and
+pays only when its acceptance is high; on a slow forward it is cheap in comparison. Until the head has drafted
+once its cost counts as zero (it gets its chance).
 """
 from __future__ import annotations
+
+import time
 
 from lanner.spec.proposers import Proposer
 from lanner.spec.suffix import SuffixProposer
 
 HEAD_PRIOR = 0.5  # accepted tokens per head step before a request has any (the shipped head: ~0.4-0.5 at k = 3)
 HEAD_DECAY = 0.7  # weight of the old mean per head step: recent text decides
+TIME_DECAY = 0.9  # weight of the old mean of the step and head times
 
 
 class HybridProposer(Proposer):
@@ -20,25 +27,39 @@ class HybridProposer(Proposer):
 
     def __init__(self, suffix: SuffixProposer, head: Proposer, head_tokens: int):
         self.suffix, self.head, self.head_tokens = suffix, head, head_tokens
+        self.verify_s: float | None = None  # moving mean of a verify forward's seconds
+        self.head_s: float | None = None  # moving mean of a head drafting call's seconds
+
+    def head_cost(self) -> float:
+        """A head draft's time relative to a verify step (0 until both were measured)."""
+        if self.verify_s is None or self.head_s is None:
+            return 0.0
+        return self.head_s / self.verify_s
 
     def propose(self, requests, ks):
         out: list = [None] * len(requests)
         to_head = []
+        cost = self.head_cost()
         for i, (r, k) in enumerate(zip(requests, ks)):
             tokens, score = self.suffix.draft(r, k)
             st = r.spec_state
             expect = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
-            if tokens and score > expect:
-                st.source = self.suffix.name
-                out[i] = (tokens, None)
-            else:
+            if (1 + expect) / (1 + cost) > 1 + (score if tokens else 0.0):
                 st.source = self.head.name
                 to_head.append(i)
+            else:  # the suffix draft (possibly empty: a plain decode step is the better bet)
+                st.source = self.suffix.name
+                out[i] = (tokens, None)
         if to_head:
+            t0 = time.perf_counter()
             drafts = self.head.propose([requests[i] for i in to_head], [min(ks[i], self.head_tokens) for i in to_head])
+            self.head_s = _mean(self.head_s, time.perf_counter() - t0)
             for i, d in zip(to_head, drafts):
                 out[i] = d
         return out
+
+    def after_step(self, seconds: float):
+        self.verify_s = _mean(self.verify_s, seconds)
 
     def after_verify(self, req, num_proposed, num_accepted, tokens_before):
         st = req.spec_state
@@ -50,3 +71,7 @@ class HybridProposer(Proposer):
 
     def finish(self, req):
         self.suffix.finish(req)
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else TIME_DECAY * old + (1 - TIME_DECAY) * new

@@ -26,6 +26,9 @@ class Proposer:
     def after_verify(self, req, num_proposed: int, num_accepted: int, tokens_before: int):
         """Called once the target verified; lets stateful proposers roll their KV back."""
 
+    def after_step(self, seconds: float):
+        """Called after each forward that verified drafts, with its wall time (cost-aware proposers)."""
+
     def finish(self, req):
         """Called when a request finishes or is aborted (not on errors)."""
 

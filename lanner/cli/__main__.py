@@ -1,0 +1,5 @@
+import sys
+
+from lanner.cli import main
+
+sys.exit(main())
