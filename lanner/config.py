@@ -21,8 +21,8 @@ GROUPS = {"model": "model", "cache": "KV cache and scheduling", "spec": "specula
 
 def option(default, group: str, help: str, cli: bool = True, flags: tuple[str, ...] = (), **argparse_kw):
     """An EngineConfig field with its group and its one help text; the command line's options are generated from
-    these (lanner.cli.options.add_config_args: flag --field-name unless `flags`, type from the annotation, `argparse_kw`
-    passed on). cli=False: Python API only."""
+    these (lanner.cli.options.add_config_args: flag --field-name unless `flags`, type from the annotation,
+    `argparse_kw` passed on). cli=False: Python API only."""
     return field(default=default, metadata={"group": group, "help": help, "cli": cli, "flags": flags,
                                             "argparse": argparse_kw})
 
@@ -40,7 +40,8 @@ class EngineConfig:
                           "engine's own forward dequantizes tiles on the fly; docs/quantized.md)",
                           choices=["dequantize", "stored"])
     device: str | None = option(None, "model", "cpu or cuda[:N] (default: cuda when available, else cpu)")
-    seed: int = option(0, "model", "torch's global seed, set at engine start (sampling without a request seed draws from it)", cli=False)
+    seed: int = option(0, "model", "torch's global seed, set at engine start (sampling without a request seed draws "
+                       "from it)", cli=False)
     served_model_name: str | None = option(None, "model", "model name reported by the API", cli=False)
     skip_tokenizer: bool = option(False, "model", "token ids in and out only", cli=False)
     # ---- KV cache and scheduling
@@ -79,7 +80,8 @@ class EngineConfig:
     # ---- kernel plugins (lanner.plugins)
     plugin: str | None = option("auto", "plugins", "'auto': use every installed plugin that fits, skip the rest "
                                 "(lowlat on a CPU); NAME[,NAME]: use these and stop if one does not fit; 'none': the "
-                                "engine's own forward ('lanner plugins list' shows them)", flags=("--plugin", "--plugins"))
+                                "engine's own forward ('lanner plugins list' shows them)",
+                                flags=("--plugin", "--plugins"))
     plugin_options: dict | None = option(None, "plugins", "an option for a plugin (VALUE is parsed as JSON when it "
                                          "can be); repeatable. Python: {plugin name: {option: value}}",
                                          flags=("--plugin-option",), action="append", metavar="NAME.KEY=VALUE")

@@ -53,9 +53,9 @@ class Tokenizer:
         """Token ids of `messages` rendered with the model's chat template (or `chat_template`, e.g.
         lanner.tool_calls' for tools), plus the generation prompt. Only the template's own text may hold special
         tokens: every string a message carries (content, name, ...; not role or type) is tokenized as plain text,
-        so a user who types "<|im_end|>" cannot forge turns. The template is rendered with a random placeholder per string, then the pieces
-        between placeholders are tokenized with special tokens and the strings without. `tools` (the
-        application's function definitions, rendered as JSON) are passed as they are."""
+        so a user who types "<|im_end|>" cannot forge turns. The template is rendered with a random placeholder per
+        string, then the pieces between placeholders are tokenized with special tokens and the strings without.
+        `tools` (the application's function definitions, rendered as JSON) are passed as they are."""
         template = chat_template or self.hf.chat_template
         if not template:
             raise ValueError("this model's tokenizer has no chat template; use the completions API")

@@ -1,5 +1,6 @@
 """Soak: 48 chat requests, 16 at a time, through the official async client against the real server and model.
-Greedy answers must equal the same request served alone (float32 makes greedy independent of batching)."""
+Greedy answers must equal the same request served alone (lowlat's batch-invariant kernels make a row's bits independent
+of its batch)."""
 import asyncio
 import random
 import time
@@ -60,9 +61,12 @@ async def chat(client: openai.AsyncOpenAI, model: str, req: dict) -> tuple[str, 
 
 
 def test_soak():
-    # the default engine (lowlat, hybrid speculation) in float32. This soak found the tokenizer race of
-    # tests/test_tokenizer.py::test_chat_template_is_thread_safe: prompts tokenized on concurrent threads
-    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", max_num_seqs=16)))
+    # the default engine (lowlat, hybrid speculation) in float32, with lowlat's limits raised so that every step
+    # (16 decodes, 256-token prefill chunks) runs on its batch-invariant kernels: a row's bits then do not depend on
+    # its batch, on any CPU. This soak found the tokenizer race of test_tokenizer.py::test_chat_template_is_thread_safe
+    lowlat = {"max_batch": 16, "max_rows": 256, "prefill_rows": 256}
+    engine = AsyncEngine(LLMEngine(EngineConfig(dtype="float32", max_num_seqs=16, max_num_batched_tokens=256,
+                                                plugin_options={"lowlat": lowlat})))
     requests = make_requests()
     try:
         with serve(build_app(engine)) as base:

@@ -58,9 +58,9 @@ def _flag_args(f: dataclasses.Field) -> tuple[list[str], dict]:
 
 def add_config_args(p: argparse.ArgumentParser, names: list[str] | None = None, tp_sweep: bool = False,
                     also: tuple[str, ...] = ()):
-    """EngineConfig's options (`names`, or every field with cli=True, plus `also`), grouped as lanner.config.GROUPS; flags,
-    defaults and help come from the fields, so each is stated once. tp_sweep: --tp takes a comma list of sizes to
-    compare (benchmarks)."""
+    """EngineConfig's options (`names`, or every field with cli=True, plus `also`), grouped as lanner.config.GROUPS;
+    flags, defaults and help come from the fields, so each is stated once. tp_sweep: --tp takes a comma list of
+    sizes to compare (benchmarks)."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(EngineConfig):
         if not (f.name in names if names is not None else f.metadata["cli"] or f.name in also):

@@ -5,7 +5,7 @@ The suffix draft comes with its score, the tokens it expects to get accepted (la
 microseconds. The head's expectation is the running mean of its accepted tokens per verify step on this request
 (a prior until it has drafted), and it costs a head forward per token: with a verify step taking T and a head
 draft H, the head yields (1 + head accepted) tokens per T + H, a suffix draft (1 + score) per T. Both times are
-measured as the engine runs (moving averages of the verify forwards and of the head's drafting calls), so the
+measured as the engine runs (moving averages of the verify forwards and of the head's steady drafting calls), so the
 choice follows the hardware: on lowlat's CPU path a head draft costs about as much as the verify step itself and
 pays only when its acceptance is high; on a slow forward it is cheap in comparison. Until the head has drafted
 once its cost counts as zero (it gets its chance).
@@ -51,9 +51,14 @@ class HybridProposer(Proposer):
                 st.source = self.suffix.name
                 out[i] = (tokens, None)
         if to_head:
+            # only steady-state calls are timed: a head catching up on a long stretch (a prompt, a run of suffix
+            # drafts) pays that once, and one such sample must not lock the head out for good
+            steady = all(requests[i].pending_feats is None or requests[i].pending_feats.shape[0] <= ks[i] + 1
+                         for i in to_head)
             t0 = time.perf_counter()
             drafts = self.head.propose([requests[i] for i in to_head], [min(ks[i], self.head_tokens) for i in to_head])
-            self.head_s = _mean(self.head_s, time.perf_counter() - t0)
+            if steady:
+                self.head_s = _mean(self.head_s, time.perf_counter() - t0)
             for i, d in zip(to_head, drafts):
                 out[i] = d
         return out
