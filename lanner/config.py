@@ -70,8 +70,8 @@ class EngineConfig:
                                      "5 with n-grams)")
     spec_max_tokens: int = option(16, "spec", f"most tokens of a suffix draft (suffix, hybrid; 1..{SPEC_MAX_TOKENS};"
                                   " fewer when the match is shorter)")
-    # on the 2-core CPU, n-gram drafting (tau ~1.7 on chat) gained 1.08x at 1 request, broke even at 2-4 and lost
-    # at 8 (0.86x) and 16 (0.70x): results/bench_spec_batch
+    # on the 2-core CPU the hybrid on agent sessions gains 1.43x / 1.59x / 1.07x output tok/s at 1 / 2 / 4 running
+    # requests and loses at 8 (0.88x): results/bench_spec_batch_hybrid (n-gram on chat: results/bench_spec_batch)
     spec_max_batch: int = option(4, "spec", "speculate only while at most this many requests run")
     grammar_draft_tokens: int = option(8, "spec", "constrained requests draft up to this many tokens their grammar "
                                        "forces, with any --spec (the target verifies them); 0: off")

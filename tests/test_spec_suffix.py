@@ -61,6 +61,8 @@ def test_shared_index_is_scoped_by_user_and_evicts_oldest_first():
     proposer.finish(Req([4] + list(range(200, 220)), user="bob", prompt_len=1))  # 40 tokens > 30: alice's leaves
     assert proposer.stored_tokens == 20 and proposer.draft(Req(query, user="alice"), 8)[0] == []
     assert proposer.draft(Req([9] + list(range(200, 205)), user="bob"), 4)[0] == [205, 206, 207, 208]
+    proposer.forget()  # benchmarks between levels: nothing learned across requests is left
+    assert proposer.stored_tokens == 0 and proposer.draft(Req([9] + list(range(200, 205)), user="bob"), 4)[0] == []
 
 
 def test_step_cost_is_measured_at_an_8k_context():

@@ -195,6 +195,8 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
         run_sessions(engine, warm, levels[-1], f"{sys_name} warm-up")
         tokens[sys_name] = {}
         for c in levels:
+            if engine.proposer is not None:  # the same turns again: the suffix index must not hold their outputs
+                engine.proposer.forget()
             before = spec_counters(engine)
             records, wall = run_sessions(engine, work[c], c, f"{sys_name} c={c}")
             tokens[sys_name][c] = {(r["session"], r["turn"]): r["token_ids"] for r in records}

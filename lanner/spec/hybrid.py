@@ -77,6 +77,9 @@ class HybridProposer(Proposer):
     def finish(self, req):
         self.suffix.finish(req)
 
+    def forget(self):
+        self.suffix.forget()
+
 
 def _mean(old: float | None, new: float) -> float:
     return new if old is None else TIME_DECAY * old + (1 - TIME_DECAY) * new

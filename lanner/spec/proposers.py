@@ -32,6 +32,10 @@ class Proposer:
     def finish(self, req):
         """Called when a request finishes or is aborted (not on errors)."""
 
+    def forget(self):
+        """Drops what was learned across requests (benchmarks: one measurement must not draft from the outputs of
+        the previous one replaying the same turns)."""
+
 
 class NgramProposer(Proposer):
     """Prompt lookup: the longest suffix (max_n..min_n tokens) that occurred earlier in the request's own

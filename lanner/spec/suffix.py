@@ -99,6 +99,12 @@ class SuffixProposer(Proposer):
             out.append((tokens, None))
         return out
 
+    def forget(self):
+        while self.documents:
+            old, start, old_scope = self.documents.popleft()
+            self.shared.add(old, start, old_scope, -1)
+        self.stored_tokens = 0
+
     def finish(self, req):
         """A finished request's output joins the shared index (with `depth` prompt tokens of context before it);
         the oldest outputs leave while the index holds more than shared_tokens tokens."""
