@@ -114,13 +114,16 @@ def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plai
         assert p.verify_s > 0
         fresh = {"slow": ["Name three rivers in Africa.", "Write a haiku about snow."],
                  "free": ["List two uses of copper.", "Describe a lighthouse in one sentence."]}
-        saved, runs = p.head_s, {}
+        seeded = SamplingParams(temperature=0.9, max_tokens=16, seed=7, ignore_eos=True)
+        saved, runs, samples = p.head_s, {}, {}
         try:
             for name, head_s in (("slow", 1e6 * p.verify_s), ("free", 0.0)):
                 p.head_s = head_s
                 runs[name] = llm.generate(fresh[name], GREEDY)
+                samples[name] = llm.generate(fresh["slow"][0], seeded)[0].token_ids
         finally:
             p.head_s = saved
+        assert samples["slow"] == samples["free"]  # a seed reproduces its text whatever the machine's timings
         assert not any(p.head.name in o.metrics["spec_draft_tokens"] for o in runs["slow"])
         assert any(p.head.name in o.metrics["spec_draft_tokens"] for o in runs["free"])
         off = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False)

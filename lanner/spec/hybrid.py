@@ -8,7 +8,8 @@ draft H, the head yields (1 + head accepted) tokens per T + H, a suffix draft (1
 measured as the engine runs (moving averages of the verify forwards and of the head's steady drafting calls), so the
 choice follows the hardware: on lowlat's CPU path a head draft costs about as much as the verify step itself and
 pays only when its acceptance is high; on a slow forward it is cheap in comparison. Until the head has drafted
-once its cost counts as zero (it gets its chance).
+once its cost counts as zero (it gets its chance). A seeded sample decides without the times: its drafts, and with
+them the verifier's random draws, must be a function of its prompt and seed alone, not of the machine's load.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ class HybridProposer(Proposer):
             tokens, score = self.suffix.draft(r, k)
             st = r.spec_state
             expect = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
-            if (1 + expect) / (1 + cost) > 1 + (score if tokens else 0.0):
+            seeded = r.params.seed is not None and not r.params.greedy
+            if (1 + expect) / (1 + (0.0 if seeded else cost)) > 1 + (score if tokens else 0.0):
                 st.source = self.head.name
                 to_head.append(i)
             else:  # the suffix draft (possibly empty: a plain decode step is the better bet)
