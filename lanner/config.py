@@ -184,10 +184,12 @@ class EngineConfig:
         if self.plugin not in (None, "", "none", "auto"):
             raise ValueError(f"plugin: kernel plugins ({self.plugin!r}) do not cover sparse decoding over "
                              f"kv_tier={self.kv_tier!r}; drop one of them")
-        if self.spec not in (None, "none", "auto") or self.draft:
-            raise ValueError(f"kv_tier: speculative decoding does not run over UlaCache; drop "
-                             f"{'spec' if self.spec not in (None, 'none', 'auto') else 'draft'} or kv_tier")
-        self.spec = None
+        if self.spec not in (None, "none", "auto", "ngram", "suffix") or self.draft:
+            # a draft head reads the target's layer outputs, which the sparse decoders do not keep
+            raise ValueError(f"kv_tier: over UlaCache drafts come from spec='ngram' or 'suffix'; drop "
+                             f"{'draft' if self.draft else f'spec={self.spec!r}'} or kv_tier")
+        if self.spec in ("auto", "none"):  # the default speculation (a draft head) steps aside
+            self.spec = None
         for name in ("kv_device_gb", "kv_host_gb"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be a number of GiB >= 0")

@@ -8,7 +8,7 @@ from tqdm import tqdm
 from lanner.config import EngineConfig
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
-from lanner.engine.ula_engine import make_engine
+from lanner.engine.llm_engine import LLMEngine
 from lanner.tool_calls import parse_tool_calls, prepare_chat
 
 
@@ -18,7 +18,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "bfloat16", device: str | None = None,
                  **engine_options):
-        self.engine = make_engine(EngineConfig(model=model, dtype=dtype, device=device, **engine_options))
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **engine_options))
         self.tokenizer = self.engine.tokenizer
 
     def close(self):

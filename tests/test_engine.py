@@ -48,16 +48,16 @@ def test_chunked_prefill_and_preemption_keep_outputs(alone):
     # spec=None: the draft head's KV would share the budget; plugin=None: so would lowlat's buffers
     tiny = LLM(dtype="float32", kv_cache_memory=f"{14 * 16 * per_token / 2**30}GiB", max_num_batched_tokens=32,
                spec=None, plugin=None)
-    assert tiny.engine.num_blocks == 14
+    assert tiny.engine.kv.num_blocks == 14
     outs = tiny.generate(PROMPTS, GREEDY)
     assert tiny.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == alone
-    assert tiny.engine.block_manager.num_used == 0  # nothing leaked
-    assert tiny.engine.block_manager.num_free == 14
+    assert tiny.engine.kv.block_manager.num_used == 0  # nothing leaked
+    assert tiny.engine.kv.block_manager.num_free == 14
 
 
 def test_no_block_leak_and_abort(llm32):
-    bm = llm32.engine.block_manager
+    bm = llm32.engine.kv.block_manager
     eng = llm32.engine
     reqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=50)) for p in PROMPTS[:4]]
     eng.step()

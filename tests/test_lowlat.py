@@ -28,12 +28,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 def own_forward(llm):
     """The same engine without its plugins: the reference run costs no second model load."""
     eng = llm.engine
-    saved = eng.plugins, eng.runner.plugins
-    eng.plugins = eng.runner.plugins = None
+    saved = eng.plugins, eng.kv.runner.plugins
+    eng.plugins = eng.kv.runner.plugins = None
     try:
         yield
     finally:
-        eng.plugins, eng.runner.plugins = saved
+        eng.plugins, eng.kv.runner.plugins = saved
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_eagle_draft_head_steps():
     eng = llm.engine
     got = [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
     counts = dict(eng.plugins.counts)
-    eng.plugins = eng.runner.plugins = eng.proposer.plugins = None
+    eng.plugins = eng.kv.runner.plugins = eng.proposer.plugins = None
     assert got == [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
     assert all(counts.get(("lowlat", k), 0) > 5 for k in ("verify", "draft_chain", "draft_extend")), counts
     assert not any(k[0] == "none" for k in counts), counts

@@ -114,7 +114,7 @@ def test_mtp_greedy_is_lossless(arch, tmp_path):
     # the MTP layer's latent + index-key cache shares the KV budget: one layer more than the target's
     t = ModelRunner.bytes_per_token(base.engine.model, torch.float32)
     m = ModelRunner.bytes_per_token(llm.engine.proposer.mtp, torch.float32)
-    assert m == 4 * (40 + 16) and abs(llm.engine.num_blocks - base.engine.num_blocks * t / (t + m)) <= 1
+    assert m == 4 * (40 + 16) and abs(llm.engine.kv.num_blocks - base.engine.kv.num_blocks * t / (t + m)) <= 1
     accepted = [0, 0, 0]
     for k in (1, 2, 3):
         llm.engine.config.spec_tokens = k  # read every step: one engine serves every k
@@ -126,7 +126,7 @@ def test_mtp_greedy_is_lossless(arch, tmp_path):
             for i, a in enumerate(o.metrics["spec_accepted_per_position"]):
                 accepted[i] += a
             assert o.metrics["spec_accept_length"] < k + 1  # some drafts were rejected
-        assert llm.engine.block_manager.num_used == 0
+        assert llm.engine.kv.block_manager.num_used == 0
     assert all(a > 0 for a in accepted)  # every chain position was accepted somewhere
     sampled = llm.generate(prompts[1], SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True))[0]
     assert len(sampled.token_ids) == 10 and sampled.metrics["spec_verify_steps"] > 0

@@ -36,7 +36,7 @@ def example_installed():
 @pytest.fixture(scope="module")
 def plain_outputs():
     llm = LLM(dtype="float32", kv_cache_memory="0.25GiB", spec=None, plugin=None)
-    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.engine.num_blocks
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY)], llm.engine.kv.num_blocks
 
 
 def test_discovery_through_entry_points(example_installed):
@@ -83,7 +83,7 @@ def test_build_memory_comes_off_the_kv_budget(example_installed, plain_outputs):
     eng = llm.engine
     assert eng.plugin_bytes == 64 * 2**20
     block_bytes = (0.25 * 2**30) / plain_blocks  # what one block costs at this budget
-    assert plain_blocks - eng.num_blocks == pytest.approx(64 * 2**20 / block_bytes, abs=1)
+    assert plain_blocks - eng.kv.num_blocks == pytest.approx(64 * 2**20 / block_bytes, abs=1)
     assert b'lanner_plugin_build_bytes{plugin="example"} 6.7108864e+07' in eng.metrics.render()
     # the model's own weights, which a plugin may reference, are not counted
     assert tensor_bytes([eng.model.embed_tokens.weight], {eng.model.embed_tokens.weight.data_ptr()}) == 0

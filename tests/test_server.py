@@ -247,7 +247,7 @@ def test_client_disconnect_mid_stream_frees_kv(srv):
                 content_chunks += 1
                 if content_chunks == 3:
                     break
-        assert srv.engine.engine.scheduler.running and srv.engine.engine.block_manager.num_used > 0
+        assert srv.engine.engine.scheduler.running and srv.engine.engine.kv.block_manager.num_used > 0
     # leaving the block closes the connection mid-stream
     wait_idle(srv.engine, timeout=10)
     text = httpx.get(srv.base + "/metrics").text

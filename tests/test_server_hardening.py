@@ -341,7 +341,7 @@ def test_shutdown_is_bounded_and_ends_streams_cleanly(srv):
         assert ev[-1] == "[DONE]", ev[-3:]
         usage, finish = json.loads(ev[-2]), json.loads(ev[-3])
         assert finish["choices"][0]["finish_reason"] == "abort" and usage["usage"]["completion_tokens"] > 0
-    assert not srv.engine.engine.scheduler.running and srv.engine.engine.block_manager.num_used == 0
+    assert not srv.engine.engine.scheduler.running and srv.engine.engine.kv.block_manager.num_used == 0
 
 
 # ---------------------------------------------------------------------------------------------- Schemathesis

@@ -76,7 +76,7 @@ def check_greedy_lossless(llm, plain_outputs):
         for lo in (0, 4):
             mixed = llm.generate(PROMPTS[lo : lo + 4], GREEDY)
             assert [o.token_ids for o in mixed] == plain_outputs[lo : lo + 4], f"k={k} batch of 4"
-        assert llm.engine.block_manager.num_used == 0
+        assert llm.engine.kv.block_manager.num_used == 0
     return alone
 
 
@@ -190,9 +190,9 @@ def test_prefix_cache_holds_only_verified_tokens_and_nothing_leaks(tiny):
     a, b = plain.generate(prompts, params), spec.generate(prompts, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     for llm in (plain, spec):
-        assert llm.engine.block_manager.num_used == 0
+        assert llm.engine.kv.block_manager.num_used == 0
     # the same verified token blocks, and only those, are named in both prefix caches
-    assert set(plain.engine.block_manager.hash_to_block) == set(spec.engine.block_manager.hash_to_block)
+    assert set(plain.engine.kv.block_manager.hash_to_block) == set(spec.engine.kv.block_manager.hash_to_block)
 
 
 def test_server_reports_acceptance_in_usage_and_metrics():

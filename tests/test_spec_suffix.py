@@ -108,7 +108,7 @@ def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plai
     assert any("suffix" in d for d in drafted) and accepted > 0
     # a repetition the suffix index predicts: several tokens per step
     assert batch[0].metrics["spec_accept_length"] > 2.0
-    assert llm.engine.block_manager.num_used == 0
+    assert llm.engine.kv.block_manager.num_used == 0
     if spec == "hybrid":  # cost-aware: both times are measured as it runs; a head too slow to pay never drafts, a
         p = llm.engine.proposer  # free one drafts where the suffix index has little (fresh prompts for each)
         assert p.verify_s > 0

@@ -8,7 +8,7 @@ from lanner import LLM, SamplingParams
 from lanner.cli import build_parser, engine_kwargs
 from lanner.config import EngineConfig
 from lanner.engine.llm_engine import RequestError
-from lanner.engine.ula_engine import UlaEngine
+from lanner.engine.kv_ula import UlaKV
 
 SPARSE = {"dtype": "float32", "sparse_budget": 32, "sparse_page": 16, "sparse_group": 10}
 # 6 prompts of ~200 tokens: each decode query reads 2 of ~13 pages per layer group
@@ -34,9 +34,9 @@ def test_ula_dp_admits_by_budget_and_matches_resident(resident):
     # ranges and the device pool a tenth of that, so entries are evicted to the host and loaded back
     llm = LLM(kv_tier="ula-dp", kv_device_gb=0.005, kv_host_gb=0.03, kv_poison=True, **SPARSE)
     eng = llm.engine
-    assert isinstance(eng, UlaEngine) and eng.config.spec is None
-    cache = eng.decoder.cache
-    per_request = eng.groups * (max(len(eng.make_request(p).prompt_ids) for p in PROMPTS) + GREEDY.max_tokens)
+    assert isinstance(eng.kv, UlaKV) and eng.config.spec is None
+    cache = eng.kv.decoder.cache
+    per_request = eng.kv.groups * (max(len(eng.make_request(p).prompt_ids) for p in PROMPTS) + GREEDY.max_tokens)
     fits = cache.max_requests(per_request)
     assert 2 <= fits < len(PROMPTS)
     reqs = [eng.add_request(p, GREEDY) for p in PROMPTS]
@@ -52,8 +52,25 @@ def test_ula_dp_admits_by_budget_and_matches_resident(resident):
     assert all(o.error is None and o.finish_reason == "length" for o in done)
     assert [o.token_ids for o in done] == resident
     assert cache.stats["accesses"] > cache.stats["hits"] > 0  # misses: entries came back from the host
-    assert not cache.requests and not eng.decoder.reqs  # every range was released
+    assert not cache.requests and not eng.kv.decoder.reqs  # every range was released
     assert max(usage) > 0.5 and usage[-1] == 0.0  # /metrics: the share of device + host entries reserved
+
+
+@pytest.mark.parametrize("tier", ["ula-dp", "hisparse"])
+def test_speculation_over_ulacache_matches_sparse_decoding(tier, resident):
+    """Suffix drafts verified over UlaCache: every draft token's query selects its own pages (their bounds hold the
+    tokens up to it), rejected entries are rolled back, and greedy output equals the same sparse decoding without
+    speculation, through evictions and host round trips (poisoned slots)."""
+    gb = {"ula-dp": (0.006, 0.03), "hisparse": (0.05, 0.1)}[tier]
+    llm = LLM(kv_tier=tier, kv_device_gb=gb[0], kv_host_gb=gb[1], kv_poison=True, spec="suffix", **SPARSE)
+    outs = llm.generate(PROMPTS[:4], GREEDY)
+    assert all(o.error is None for o in outs)
+    assert [o.token_ids for o in outs] == resident[:4]
+    steps = sum(o.metrics["spec_verify_steps"] for o in outs)
+    accepted = sum(sum(o.metrics["spec_accepted_tokens"].values()) for o in outs)
+    assert steps > 0 and accepted > 0  # drafts were verified, and some kept
+    cache = llm.engine.kv.decoder.cache
+    assert not cache.requests and cache.stats["accesses"] > cache.stats["hits"]  # entries came back from the host
 
 
 def test_hisparse_tier_matches_resident(resident):
@@ -67,7 +84,7 @@ def test_ula_refusals():
         llm.engine.make_request("Hi " * 400, SamplingParams(max_tokens=16))
     # a request that fits still runs beside the refusal
     assert len(llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4))[0].token_ids) == 4
-    for bad, match in [({"kv_tier": "nvme"}, "kv_tier"), ({"kv_tier": "ula-dp", "spec": "ngram"}, "speculative"),
+    for bad, match in [({"kv_tier": "nvme"}, "kv_tier"), ({"kv_tier": "ula-dp", "spec": "hybrid"}, "'suffix'"),
                        ({"kv_tier": "ula-dp", "plugin": "lowlat"}, "plugins"),
                        ({"kv_tier": "ula-dp", "sparse_budget": 8}, "sparse_budget"),
                        ({"kv_tier": "ula-tp"}, "tp >= 2"), ({"kv_tier": "ula-dp", "tp": 2}, "use ula-tp")]:
@@ -86,12 +103,14 @@ def test_bench_kv_engine(tmp_path):
 
     out = tmp_path / "engine.json"
     main(["bench", "kv", "engine", "--dtype", "float32", "--doc-tokens", "200", "--gen", "8", "--requests", "5",
-          "--docs", "2", "--budget", "32", "--device-gb", "0.02", "--host-gb", "0.04", "--json", str(out)])
+          "--docs", "2", "--budget", "32", "--device-gb", "0.02", "--host-gb", "0.04", "--spec", "suffix",
+          "--json", str(out)])
     import json
 
     rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["gpu-only", "hisparse", "ula-dp"]
+    assert list(rows) == ["gpu-only", "gpu-only+suffix", "hisparse", "hisparse+suffix", "ula-dp", "ula-dp+suffix"]
     assert all(r["identical_to_gpu-only"] and not r["errors"] and r["requests"] == 5 for r in rows.values())
+    assert all(r["tau"] > 1 and r["speedup_vs_plain"] > 0 for name, r in rows.items() if "+" in name)
     # equal budgets: the device pool alone holds fewer requests than device + host
     assert 1 <= rows["gpu-only"]["max_running"] < rows["ula-dp"]["max_running"]
     assert (tmp_path / "engine.png").stat().st_size > 0
@@ -121,7 +140,7 @@ def test_dsa_model_over_ula_dp_matches_the_paged_engine(glm_folder):
     llm = LLM(model=glm_folder, dtype="float32", skip_tokenizer=True, kv_tier="ula-dp",
               kv_device_gb=60 * entry / 2 ** 30, kv_host_gb=580 * entry / 2 ** 30, kv_poison=True)
     eng = llm.engine
-    assert isinstance(eng, UlaEngine) and eng.scheduler.max_batch == 3
+    assert isinstance(eng.kv, UlaKV) and eng.scheduler.max_batch == 3
     reqs = [eng.add_request(p, params) for p in prompts]
     running, outs = [], {}
     while eng.has_unfinished():
@@ -133,9 +152,9 @@ def test_dsa_model_over_ula_dp_matches_the_paged_engine(glm_folder):
     got = [outs[r.request_id] for r in reqs]
     assert all(o.error is None for o in got)
     assert [o.token_ids for o in got] == want
-    cache = eng.decoder.cache
+    cache = eng.kv.decoder.cache
     assert cache.store.evicted > 0 and cache.store.loaded > 0  # host round trips
-    assert not cache.requests and not eng.decoder.reqs
+    assert not cache.requests and not eng.kv.decoder.reqs
 
 
 def test_dsa_model_over_ula_tp_with_two_ranks_matches_the_paged_engine(glm_folder):
@@ -159,7 +178,7 @@ def test_dsa_model_over_ula_tp_with_two_ranks_matches_the_paged_engine(glm_folde
         got = llm.generate(prompts, params)
         assert all(o.error is None for o in got)
         assert [o.token_ids for o in got] == want
-        cache = eng.decoder.cache
+        cache = eng.kv.decoder.cache
         assert cache.stats["remote"] > 0 and cache.store.evicted > 0 and cache.store.loaded > 0
         assert not cache.requests
-        eng.decoder.cache.store.check()
+        eng.kv.decoder.cache.store.check()

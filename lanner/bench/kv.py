@@ -40,7 +40,8 @@ def add_arguments(p):
                    help="trace: record a sparse access trace (+ quality); lru: replay a trace through PB-LRU and "
                         "exact LRU; capacity: admitted requests, throughput and TPOT of gpu-only, hisparse, ula-dp "
                         "and ula-tp; engine: --requests long requests through the engine (kv_tier) per system: how "
-                        "many run at once, throughput, TTFT, and whether the outputs agree")
+                        "many run at once, throughput, TTFT, and whether the outputs agree (with --spec ngram / suffix "
+                        "each system also runs with speculation)")
     p.add_argument("--trace", default="results/kv_trace.jsonl", help="access trace to write (trace) or replay (lru)")
     p.add_argument("--json", default=None, help="results JSON (default: results/bench_kv_<what>.json)")
     p.add_argument("--out-dir", default="results")
@@ -242,18 +243,22 @@ def engine_admission(args, engine_kwargs: dict) -> dict:
 
     torch.set_num_threads(args.threads)
     systems = [s for s in (args.systems or ",".join(ENGINE_SYSTEMS)).split(",") if s]
+    # --spec ngram / suffix: each system also runs with those drafts verified over its KV
+    spec = engine_kwargs.get("spec") if engine_kwargs.get("spec") in ("ngram", "suffix") else None
+    runs = [(system, s) for system in systems for s in ((None, spec) if spec else (None,))]
     params = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
-    rows, outputs, docs = [], {}, None
-    for system in systems:
+    rows, outputs, docs, first = [], {}, None, systems[0]
+    for system, spec in runs:
+        name = system + (f"+{spec}" if spec else "")
         llm = LLM(**engine_kwargs | {"kv_tier": system, "kv_device_gb": args.device_gb, "kv_host_gb": args.host_gb,
                                      "sparse_budget": args.budget, "sparse_group": args.group or 10,
-                                     "sparse_page": args.page_size, "max_num_seqs": args.requests})
+                                     "sparse_page": args.page_size, "max_num_seqs": args.requests, "spec": spec})
         eng = llm.engine
         if docs is None:
             docs = long_documents(llm.tokenizer, args.doc_tokens, args.docs or 4)
         reqs = [eng.add_request(docs[i % len(docs)], params) for i in range(args.requests)]
         running, done, t0 = [], {}, time.perf_counter()
-        with tqdm(total=len(reqs), desc=system, unit="req") as bar:
+        with tqdm(total=len(reqs), desc=name, unit="req") as bar:
             while eng.has_unfinished():
                 for o in eng.step():
                     if o.finished:
@@ -263,18 +268,24 @@ def engine_admission(args, engine_kwargs: dict) -> dict:
         wall = time.perf_counter() - t0
         outs = [done[r.request_id] for r in reqs]
         errors = [o.error for o in outs if o.error]
-        outputs[system] = [o.token_ids for o in outs]
+        outputs[name] = [o.token_ids for o in outs]
         tokens = sum(len(o.token_ids) for o in outs)
-        rows.append({"system": system, "requests": len(reqs), "max_running": max(running), "wall_s": wall,
-                     "output_tok_s": tokens / wall, "errors": errors,
+        verify = sum(o.metrics["spec_verify_steps"] for o in outs)
+        emitted = sum(o.metrics["spec_accept_length"] * o.metrics["spec_verify_steps"] for o in outs if verify)
+        plain = next((r for r in rows if r["system"] == system), None)  # this system without speculation
+        rows.append({"system": name, "kv_tier": system, "spec": spec, "requests": len(reqs),
+                     "max_running": max(running), "wall_s": wall, "output_tok_s": tokens / wall, "errors": errors,
                      "ttft_p50_s": statistics.median(o.metrics["ttft_s"] for o in outs),
-                     "identical_to_" + systems[0]: outputs[system] == outputs[systems[0]]})
+                     "tau": emitted / verify if verify else None,
+                     "speedup_vs_plain": tokens / wall / plain["output_tok_s"] if plain and spec else None,
+                     "identical_to_" + first: outputs[name] == outputs[first]})
         llm.close()
-    table = [[r["system"], r["requests"], r["max_running"], f"{r['output_tok_s']:.1f}", f"{r['ttft_p50_s']:.1f}",
-              f"{r['wall_s']:.0f}", "yes" if r["identical_to_" + systems[0]] else "NO", len(r["errors"])]
-             for r in rows]
-    print(markdown_table(["system", "requests", "most running at once", "output tok/s", "TTFT p50 s", "wall s",
-                          f"tokens = {systems[0]}'s", "errors"], table))
+    table = [[r["system"], r["requests"], r["max_running"], f"{r['output_tok_s']:.1f}",
+              f"{r['speedup_vs_plain']:.2f}x" if r["speedup_vs_plain"] else "", f"{r['tau']:.2f}" if r["tau"] else "",
+              f"{r['ttft_p50_s']:.1f}", f"{r['wall_s']:.0f}", "yes" if r["identical_to_" + first] else "NO",
+              len(r["errors"])] for r in rows]
+    print(markdown_table(["system", "requests", "most running at once", "output tok/s", "vs no speculation",
+                          "tokens per verify step", "TTFT p50 s", "wall s", f"tokens = {first}'s", "errors"], table))
     result = {"benchmark": "kv engine", "engine": engine_kwargs, "doc_tokens": args.doc_tokens, "gen": args.gen,
               "budget": args.budget, "group": args.group or 10, "page_size": args.page_size,
               "device_gb": args.device_gb, "host_gb": args.host_gb, "rows": rows}

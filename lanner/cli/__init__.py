@@ -43,11 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1 and rank > 0 and hasattr(args, "tp_timeout_s"):
         # torchrun: ranks > 0 serve rank 0's engine instead of running the command
         from lanner.distributed.worker import run_worker
-        from lanner.engine.llm_engine import LLMEngine
-        from lanner.engine.ula_engine import UlaEngine
+        from lanner.engine.llm_engine import kv_system
 
         config = EngineConfig(**engine_kwargs(args))
-        run_worker(config, (UlaEngine if config.kv_tier is not None else LLMEngine).tp_worker)
+        run_worker(config, kv_system(config).worker)
         return 0
     try:
         return args.run(args) or 0

@@ -12,12 +12,13 @@ import torch
 from lanner.config import EngineConfig
 from lanner.distributed import TPError, all_gather_rows, split_sizes, tp_disabled, tp_rank, tp_size
 from lanner.distributed.worker import TPGroup
-from lanner.engine.loading import kv_blocks, load_target
-from lanner.engine.request import Request, RequestOutput
-from lanner.engine.runner import ModelRunner, SeqChunk, decode_step, encode_step
+from lanner.engine.kv_paged import PagedKV
+from lanner.engine.kv_ula import UlaKV
+from lanner.engine.loading import load_target
+from lanner.engine.request import Request, RequestError, RequestOutput
+from lanner.engine.runner import ModelRunner
 from lanner.engine.sampling import SamplingParams, sample
-from lanner.engine.scheduler import QueueFullError, Scheduler
-from lanner.kvcache.block_manager import BlockManager
+from lanner.engine.scheduler import QueueFullError, ScheduledItem
 from lanner.metrics import EngineMetrics
 from lanner.models.loader import ModelSource, load_model
 from lanner.models.quant import weight_bytes
@@ -35,39 +36,20 @@ from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
 log = logging.getLogger("lanner")
 
 
-class RequestError(ValueError):
-    """A request the engine refuses; `param` names the offending field (OpenAI error bodies carry it)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-def paged_worker(config: EngineConfig, device: str) -> dict | None:
-    """A tensor-parallel worker of LLMEngine (lanner.distributed.worker runs it on ranks > 0): its shard, its own
-    KV pool with rank 0's block count, and the handlers for rank 0's calls."""
-    hardware = Hardware.detect(device, config.torch_dtype, tp_size(), tp_rank())
-    model, model_config, plugin_runtime, plugin_bytes = load_target(config, hardware)
-    num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype), plugin_bytes)
-    if num_blocks < 2:  # rank 0 raises the error that names the budget
-        return None
-    # no captured layers: only rank 0 feeds a draft head
-    runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype, device, (), plugin_runtime)
-    return {"step": lambda code, payload: runner.run(*decode_step(code, payload)),
-            "gather_embedding": lambda arg, payload: all_gather_rows(
-                model.embed_tokens.weight, split_sizes(model_config.vocab_size, tp_size()))}
+def kv_system(config: EngineConfig):
+    """The KV system a config asks for: UlaCache when `kv_tier` is set, else the paged cache."""
+    return UlaKV if config.kv_tier is not None else PagedKV
 
 
 class LLMEngine:
-    tp_worker = staticmethod(paged_worker)  # what ranks > 0 run under tensor parallelism
-
     def __init__(self, config: EngineConfig):
         self.config = config
         self.failed: TPError | None = None  # set when a tensor-parallel rank failed: the engine refuses work
         if tp_size() > 1:  # module-level TP state: one tensor-parallel engine per process, and no TP=1 beside it
             raise TPError(f"a tensor-parallel engine (tp={tp_size()}) is already running in this process; "
                           "close() it before building another engine")
-        self.tp = TPGroup(config, self.tp_worker) if config.tp > 1 else None
+        # ranks > 0 run the KV system's worker
+        self.tp = TPGroup(config, kv_system(config).worker) if config.tp > 1 else None
         try:
             self._load(config)
         except BaseException as e:
@@ -103,48 +85,41 @@ class LLMEngine:
         self._ids = itertools.count()
         self.grammars = None  # lanner.structured.Grammars, built by the first constrained request
         self._build_cache(config)
-        log.info("loaded %s in %.1fs: %s, max_model_len %d", self.model_name, self.load_s, self.kv_summary,
+        log.info("loaded %s in %.1fs: %s, max_model_len %d", self.model_name, self.load_s, self.kv.summary,
                  self.max_model_len)
 
     def _build_cache(self, config: EngineConfig):
-        """The paged KV cache, its scheduler, the model runner and the draft proposer."""
-        per_token = ModelRunner.bytes_per_token(self.model, config.torch_dtype)
-        draft_kind, draft_model = self._load_draft() if config.spec in ("draft", "hybrid") else (None, None)
-        if draft_model is not None:  # the draft's pool shares the target's block tables, so it shares the budget
-            per_token += ModelRunner.bytes_per_token(draft_model.model_cfg if draft_kind == "head" else draft_model,
-                                                     config.torch_dtype)
-        self.num_blocks = kv_blocks(config, per_token, self.plugin_bytes)
-        if self.num_blocks < 2:
-            raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} leaves room for {self.num_blocks} blocks"
-                             + (f" after plugins took {self.plugin_bytes / 2**20:.0f} MiB" if self.plugin_bytes else ""))
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_queue_len)
-        # an MTP layer's feature is the last layer's output: the hidden state before the final norm
-        capture = draft_model.cfg.feature_layers if draft_kind == "head" else \
-            (self.model_config.num_layers - 1,) if draft_kind == "mtp" else ()
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.torch_dtype, config.device,
-                                  capture, self.plugins)
+        """The KV system, its scheduler and the draft proposer."""
+        draft_kind = None
+        if config.kv_tier is not None:
+            self.kv = UlaKV(config, self.model, self.model_config, self.tp)
+        else:
+            draft_kind, draft_model = self._load_draft() if config.spec in ("draft", "hybrid") else (None, None)
+            # the draft's pool shares the target's block tables, so it shares the budget
+            draft_bytes = 0 if draft_model is None else ModelRunner.bytes_per_token(
+                draft_model.model_cfg if draft_kind == "head" else draft_model, config.torch_dtype)
+            # an MTP layer's feature is the last layer's output: the hidden state before the final norm
+            capture = draft_model.cfg.feature_layers if draft_kind == "head" else \
+                (self.model_config.num_layers - 1,) if draft_kind == "mtp" else ()
+            self.kv = PagedKV(config, self.model, self.plugins, self.plugin_bytes, self.tp, draft_bytes, capture)
+        self.scheduler = self.kv.scheduler
         self.proposer = None
-        args = (self.num_blocks, config.block_size, config.torch_dtype, config.device, self.plugins)
         if config.spec == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
-        elif draft_kind in ("head", "mtp"):
-            # the head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
-            embed = self._gather_embedding() if self.tp is not None else None
+        elif config.kv_tier is None and draft_kind is not None:
+            args = (self.kv.num_blocks, config.block_size, config.torch_dtype, config.device, self.plugins)
+            # a head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
+            embed = self._gather_embedding() if self.tp is not None and draft_kind != "model" else None
             with tp_disabled():
-                proposer = MtpProposer if draft_kind == "mtp" else DraftHeadProposer
-                self.proposer = proposer(draft_model, self.model, *args, embed_weight=embed)
-        elif draft_kind == "model":
-            with tp_disabled():
-                self.proposer = DraftModelProposer(draft_model, *args)
+                if draft_kind in ("head", "mtp"):
+                    proposer = MtpProposer if draft_kind == "mtp" else DraftHeadProposer
+                    self.proposer = proposer(draft_model, self.model, *args, embed_weight=embed)
+                else:
+                    self.proposer = DraftModelProposer(draft_model, *args)
         if config.spec == "suffix":
             self.proposer = SuffixProposer()
         elif config.spec == "hybrid":
             self.proposer = HybridProposer(SuffixProposer(), self.proposer, config.spec_tokens)
-        self.kv_summary = (f"{self.num_blocks} KV blocks x {config.block_size} tokens "
-                           f"({self.num_blocks * config.block_size * per_token / 2**30:.2f} GiB"
-                           + (f" on each of {config.tp} ranks)" if config.tp > 1 else ")"))
 
     def _gather_embedding(self) -> torch.Tensor:
         """The full (vocab-gathered) embedding table on rank 0, for rank-0-only draft heads."""
@@ -226,7 +201,7 @@ class LLMEngine:
             raise RequestError(f"max_tokens={max_tokens} plus the {n}-token prompt exceeds the context of "
                                f"{self.max_model_len} tokens; use max_tokens <= {self.max_model_len - n}",
                                "max_tokens")
-        self._check_fits(n + max_tokens)
+        self.kv.check_fits(n + max_tokens)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in use", "request_id")
@@ -253,13 +228,6 @@ class LLMEngine:
                                        self.config.grammar_draft_tokens + 1)
         except FieldError as e:
             raise RequestError(str(e), e.param) from None
-
-    def _check_fits(self, tokens: int):
-        """Raises RequestError when a request of `tokens` tokens (prompt + max_tokens) can never fit the KV cache."""
-        if -(-tokens // self.config.block_size) > self.num_blocks:
-            raise RequestError(f"prompt plus max_tokens ({tokens} tokens) does not fit in the KV cache "
-                               f"({self.num_blocks * self.config.block_size} tokens); raise kv_cache_memory",
-                               "max_tokens")
 
     def add_request(self, prompt=None, params=None, request_id=None, prompt_ids=None) -> Request:
         req = self.make_request(prompt, params, request_id, prompt_ids)
@@ -302,57 +270,23 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """schedule -> propose drafts -> run the model -> verify / sample -> append tokens and emit outputs."""
         if self.failed is not None:
             raise TPError(str(self.failed))
-        preempted_before = self.scheduler.num_preemptions
-        items = self.scheduler.schedule(self._spec_tokens)
-        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
+        items = self._schedule()
         outputs = []
+        for req in self.scheduler.refused:  # the KV system gave up on them (their error says why)
+            self._finish(req, "error")
+            outputs.append(self._output(req))
         if items:
-            now = time.perf_counter()
-            for it in items:
-                if it.request.first_scheduled_time is None:
-                    it.request.first_scheduled_time = now
             try:
-                spec = [it for it in items if it.num_spec > 0]
-                if spec:
-                    t0 = time.perf_counter()
-                    with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
-                        propose_drafts(self.proposer, spec, self.config.draft_limit,
-                                       self.config.grammar_draft_tokens > 0)
-                    if self.proposer is not None:
-                        self.metrics.spec_propose_seconds.labels(self.proposer.name).inc(time.perf_counter() - t0)
-                        self.metrics.spec_propose_steps.labels(self.proposer.name).inc()
-                chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
-                                   it.request.block_table, "all" if it.draft else "last" if it.samples else "none")
-                          for it in items]
+                drafted = self._propose(items)
                 kind = StepKind.PREFILL if any(it.num_tokens > 1 for it in items) else \
-                    StepKind.VERIFY if spec else StepKind.DECODE
+                    StepKind.VERIFY if drafted else StepKind.DECODE
                 t_forward = time.perf_counter()
-                logits = self.runner.run(chunks, kind) if self.tp is None else \
-                    self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind))
-                emitted, plain_rows, plain_reqs, row = {}, [], [], 0
-                for it in items:
-                    if it.draft and it.request.params.unverified_draft:  # accept all; the target adds one token
-                        k = len(it.draft)
-                        emitted[id(it)] = it.draft + [int(logits[row + k].argmax())]
-                        row += k + 1
-                    elif it.draft:
-                        k = len(it.draft)
-                        if it.masks is not None:  # the target verifies under the grammar, row by row
-                            apply_bitmask(logits[row : row + k + 1], it.masks)
-                        emitted[id(it)] = verify_chain(logits[row : row + k + 1], it.draft, it.draft_probs,
-                                                       it.request.params, it.request.generator)
-                        row += k + 1
-                    elif it.samples:
-                        plain_rows.append(row)
-                        plain_reqs.append(it.request)
-                        row += 1
-                if plain_reqs:
-                    result = sample(logits[plain_rows], plain_reqs)
-                    for r, tok, lp in zip(plain_reqs, result.token_ids, result.logprobs):
-                        emitted[id(r)] = (tok, lp)
-                if kind == StepKind.VERIFY and self.proposer is not None:  # forward + verify; tokens on the host now
+                logits = self.kv.run(items, kind)
+                emitted = self._verify_and_sample(items, logits)
+                if kind == StepKind.VERIFY and self.proposer is not None:  # forward + verify: tokens on the host
                     self.proposer.after_step(time.perf_counter() - t_forward)
             except TPError as e:  # the ranks are out of step: fail everything, refuse new work
                 self._fail_engine(e)
@@ -367,49 +301,98 @@ class LLMEngine:
                     self._finish(it.request, "error")
                     outputs.append(self._output(it.request))
                 return outputs
-            feats, offset = self.runner.features, 0
-            for it in items:
-                req = it.request
-                if feats is not None:  # keep the target features of the verified rows for the draft head
-                    n_valid = it.num_tokens + (len(emitted[id(it)]) - 1 if it.draft else 0)
-                    rows = feats[offset : offset + n_valid]
-                    req.pending_feats = rows if req.pending_feats is None else torch.cat([req.pending_feats, rows])
-                    offset += it.num_tokens + len(it.draft)
-                reason = None
-                if it.draft:
-                    tokens = emitted[id(it)]
-                    before = req.num_tokens
-                    req.num_computed += it.num_tokens + len(tokens) - 1
-                    if it.num_proposed:  # grammar-forced drafts never touched the proposer
-                        self.proposer.after_verify(req, it.num_proposed, len(tokens) - 1, before)
-                    n_out = 0
-                    for i, tok in enumerate(tokens):
-                        n_out += 1
-                        if req.draft_sources is not None:
-                            req.draft_sources.append(int(i < len(it.draft)))
-                        reason = self._accept_token(req, tok, None)
-                        if reason:
-                            break
-                    # count what was emitted: a stop inside the accepted chain drops the tokens after it
-                    source = "grammar" if not it.num_proposed else \
-                        req.spec_state.source if req.spec_state is not None else self.proposer.name
-                    self._record_spec(req, len(it.draft), min(len(tokens) - 1, n_out), n_out, source)
-                else:
-                    req.num_computed += it.num_tokens
-                    if it.samples:
-                        if req.draft_sources is not None:
-                            req.draft_sources.append(0)
-                        reason = self._accept_token(req, *emitted[id(req)])
-                # name the verified full blocks before a finish frees them, so they stay reusable
-                self.block_manager.commit_full_blocks(req.block_table, req.block_hashes, req.all_ids,
-                                                      min(req.num_computed, req.num_tokens))
-                if reason:
-                    self._finish(req, reason)
-                elif it.num_spec:
-                    self.scheduler.trim(req)  # roll back blocks taken for draft positions that were rejected
-                if it.samples:
-                    outputs.append(self._output(req))
+            outputs += self._postprocess(items, emitted)
         self._update_gauges()
+        return outputs
+
+    def _schedule(self) -> list[ScheduledItem]:
+        preempted_before = self.scheduler.num_preemptions
+        items = self.scheduler.schedule(self._spec_tokens)
+        self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
+        now = time.perf_counter()
+        for it in items:
+            if it.request.first_scheduled_time is None:
+                it.request.first_scheduled_time = now
+        return items
+
+    def _propose(self, items: list[ScheduledItem]) -> bool:
+        """Fills the drafts of the items that may speculate; -> whether any may."""
+        spec = [it for it in items if it.num_spec > 0]
+        if spec:
+            t0 = time.perf_counter()
+            with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
+                propose_drafts(self.proposer, spec, self.config.draft_limit, self.config.grammar_draft_tokens > 0)
+            if self.proposer is not None:
+                self.metrics.spec_propose_seconds.labels(self.proposer.name).inc(time.perf_counter() - t0)
+                self.metrics.spec_propose_steps.labels(self.proposer.name).inc()
+        return bool(spec)
+
+    def _verify_and_sample(self, items: list[ScheduledItem], logits: torch.Tensor) -> dict:
+        """-> id(item) -> the tokens a drafted item emits; id(request) -> (token, logprobs) for one that samples."""
+        emitted, plain_rows, plain_reqs, row = {}, [], [], 0
+        for it in items:
+            if it.draft and it.request.params.unverified_draft:  # accept all; the target adds one token
+                k = len(it.draft)
+                emitted[id(it)] = it.draft + [int(logits[row + k].argmax())]
+                row += k + 1
+            elif it.draft:
+                k = len(it.draft)
+                if it.masks is not None:  # the target verifies under the grammar, row by row
+                    apply_bitmask(logits[row : row + k + 1], it.masks)
+                emitted[id(it)] = verify_chain(logits[row : row + k + 1], it.draft, it.draft_probs,
+                                               it.request.params, it.request.generator)
+                row += k + 1
+            elif it.samples:
+                plain_rows.append(row)
+                plain_reqs.append(it.request)
+                row += 1
+        if plain_reqs:
+            result = sample(logits[plain_rows], plain_reqs)
+            for r, tok, lp in zip(plain_reqs, result.token_ids, result.logprobs):
+                emitted[id(r)] = (tok, lp)
+        return emitted
+
+    def _postprocess(self, items: list[ScheduledItem], emitted: dict) -> list[RequestOutput]:
+        """Appends the emitted tokens, keeps the draft head's features, rolls back rejected drafts, finishes what
+        stopped -> the outputs of the items that produced tokens."""
+        outputs, feats, offset = [], self.kv.features, 0
+        for it in items:
+            req = it.request
+            if feats is not None:  # keep the target features of the verified rows for the draft head
+                n_valid = it.num_tokens + (len(emitted[id(it)]) - 1 if it.draft else 0)
+                rows = feats[offset : offset + n_valid]
+                req.pending_feats = rows if req.pending_feats is None else torch.cat([req.pending_feats, rows])
+                offset += it.num_tokens + len(it.draft)
+            reason = None
+            if it.draft:
+                tokens = emitted[id(it)]
+                before = req.num_tokens
+                req.num_computed += it.num_tokens + len(tokens) - 1
+                if it.num_proposed:  # grammar-forced drafts never touched the proposer
+                    self.proposer.after_verify(req, it.num_proposed, len(tokens) - 1, before)
+                n_out = 0
+                for i, tok in enumerate(tokens):
+                    n_out += 1
+                    if req.draft_sources is not None:
+                        req.draft_sources.append(int(i < len(it.draft)))
+                    reason = self._accept_token(req, tok, None)
+                    if reason:
+                        break
+                # count what was emitted: a stop inside the accepted chain drops the tokens after it
+                source = "grammar" if not it.num_proposed else \
+                    req.spec_state.source if req.spec_state is not None else self.proposer.name
+                self._record_spec(req, len(it.draft), min(len(tokens) - 1, n_out), n_out, source)
+            else:
+                req.num_computed += it.num_tokens
+                if it.samples:
+                    if req.draft_sources is not None:
+                        req.draft_sources.append(0)
+                    reason = self._accept_token(req, *emitted[id(req)])
+            self.kv.commit(req, finishing=bool(reason))
+            if reason:
+                self._finish(req, reason)
+            if it.samples:
+                outputs.append(self._output(req))
         return outputs
 
     def _fail_engine(self, error: TPError):
@@ -489,12 +472,9 @@ class LLMEngine:
             self.metrics.e2e.observe(req.last_token_time - req.arrival_time)
 
     def _update_gauges(self):
-        bm = self.block_manager
         self.metrics.queue_len.set(len(self.scheduler.waiting))
         self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.kv_usage.set(bm.usage())
-        if bm.query_tokens:
-            self.metrics.prefix_hit_rate.set(bm.hit_tokens / bm.query_tokens)
+        self.kv.update_gauges(self.metrics)
 
     def _output(self, req: Request) -> RequestOutput:
         # while running, hold back text that could still become the start of a stop string

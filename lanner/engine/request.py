@@ -35,6 +35,15 @@ class RequestOutput:
     tool_calls: list[dict] | None = None  # LLM.chat with tools: the calls parsed from text (OpenAI shape)
 
 
+
+class RequestError(ValueError):
+    """A request the engine refuses; `param` names the offending field (OpenAI error bodies carry it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt: str | None,
                  max_tokens: int, eos_token_ids: list[int]):

@@ -44,6 +44,7 @@ class RequestQueue:
         self.max_queue_len = max_queue_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.refused: list[Request] = []  # the last schedule() gave up on these (their error says why)
         self.num_preemptions = 0
 
     def add(self, req: Request):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from lanner.kvcache.quest import quest_pages
 from lanner.kvcache.ula import CacheFull, Fetch, KVBackend, entry_shape
-from lanner.layers.attention import AttentionMetadata
+from lanner.layers.attention import AttentionBackend, AttentionMetadata
 
 
 @dataclass
@@ -35,32 +35,43 @@ class SeqRange:
 
 @dataclass
 class _Step:
+    """One decode step: request b feeds q[b] tokens at positions pos[b]..; the flat rows (one per token, request
+    by request) are request row_req at offset row_i."""
     rids: list
-    rows: torch.Tensor
-    pos: torch.Tensor
+    rows: torch.Tensor  # [B] the requests' page-bound rows
+    pos: torch.Tensor  # [B] first new position
+    q: torch.Tensor  # [B] new tokens
     bases: torch.Tensor
     max_lens: torch.Tensor
+    row_req: torch.Tensor  # [T]
+    row_i: torch.Tensor  # [T]
+    commit: bool = True
     fetch: Fetch | None = None
-    mask: torch.Tensor | None = None
+    mask: torch.Tensor | None = None  # [B, 1, Q, N] (None: every fetched entry, one query per request)
     pending: object = None
     selected: list = field(default_factory=list)  # per group: (positions [B, N], valid [B, N])
+    keys: list = field(default_factory=list)  # per group: the new tokens' float32 keys [T, Hkv, D] (bounds)
+
+    @property
+    def row_pos(self) -> torch.Tensor:
+        return self.pos[self.row_req] + self.row_i
 
 
-def step_requests(reqs: dict, rids: list, cache, budget: int, page: int) -> list:
-    """The requests of one decode step, refused when one is full or when the step's worst case (every request
-    reading `budget` tokens in pages of `page`) may not fit the device slots: scheduled by the worst case, not by
-    luck."""
+def step_requests(reqs: dict, rids: list, cache, budget: int, page: int, q: list[int] | None = None) -> list:
+    """The requests of one decode step (q[b] new tokens each, default 1), refused when one would pass its max_len
+    or when the step's worst case (every query reading `budget` tokens in pages of `page`) may not fit the device
+    slots: scheduled by the worst case, not by luck."""
     out = [reqs[r] for r in rids]
-    if any(r.len >= r.max_len for r in out):
+    q = q or [1] * len(out)
+    if any(r.len + n > r.max_len for r, n in zip(out, q)):
         raise ValueError("a request reached its max_len")
-    limit = cache.max_batch(budget, page)
-    if len(out) > limit:
-        raise CacheFull(f"{cache.name}: a step of {len(out)} requests may need more device slots than there are "
-                        f"(up to {limit} requests)")
+    if not cache.step_fits(q, budget, page):
+        raise CacheFull(f"{cache.name}: a step of {len(q)} requests feeding {sum(q)} queries may need more device "
+                        f"slots than there are")
     return out
 
 
-class UlaDecoder:
+class UlaDecoder(AttentionBackend):
     """Quest-sparse decoding (lanner.kvcache.quest's selection) of a batch of sequences whose KV lives in a
     KVBackend. Prefill is dense (one sequence from position 0) and writes its entries through the backend; a
     decode step writes the new tokens' entries and, per layer group, fetches only the selected entries and
@@ -69,6 +80,8 @@ class UlaDecoder:
 
     prefetch: at a group's first layer, move layer 0's part of the fetched entries, hand the later layers' parts
     to a worker thread and compute meanwhile (a GPU would use a copy stream); the next layer waits for them."""
+
+    verifies = True  # a step may feed several tokens per request (step(commit=False), accept)
 
     def __init__(self, model, cache: KVBackend, page_size: int = 16, budget: int = 256, group: int = 10,
                  max_len: int = 4096, prefetch: bool = False):
@@ -91,7 +104,7 @@ class UlaDecoder:
         self.worker = None
         self.set_prefetch(prefetch)
         self.no_kv = [(None, None)] * L
-        self.mode, self.calls, self.step_state, self.captured = None, 0, None, []
+        self.mode, self.step_state, self.captured = None, None, []
 
     def set_prefetch(self, on: bool):
         if on and self.worker is None and self.G > 1:
@@ -105,9 +118,9 @@ class UlaDecoder:
     @torch.inference_mode()
     def run_prefill(self, tokens: list[int]) -> Prefilled:
         n, G, ng = len(tokens), self.G, self.groups
-        self.mode, self.calls, self.captured = "prefill", 0, []
+        self.mode, self.captured = "prefill", []
         meta = AttentionMetadata(slot_mapping=None, batch_size=1, max_q_len=n, kv_slots=None, kv_range=None,
-                                 mask=None, is_causal=True, q_dest=None, sparse=self)
+                                 mask=None, is_causal=True, q_dest=None, backend=self)
         h, _ = self.model(torch.tensor(tokens), torch.arange(n), self.no_kv, meta)
         logits = self.model.compute_logits(h[-1:]).float()[0]
         k = torch.stack([c[0] for c in self.captured])  # [L, n, Hkv, D]
@@ -156,29 +169,55 @@ class UlaDecoder:
     # ---- decode
 
     @torch.inference_mode()
-    def step(self, rids: list, tokens: list[int]) -> torch.Tensor:
-        """One decode token per request -> float32 logits [B, V]."""
-        reqs = step_requests(self.reqs, rids, self.cache, self.budget, self.page)
+    def step(self, rids: list, tokens: list, commit: bool = True) -> torch.Tensor:
+        """tokens: per request one new token, or a list of them (its last token and a draft to verify) -> float32
+        logits, a row per token in request order. Each token's query selects and reads as a step of its own would
+        (its pages' bounds hold the tokens up to it). commit=False leaves the new tokens pending until accept()
+        says how many of them stay (a verify step)."""
+        tokens = [[t] if isinstance(t, int) else list(t) for t in tokens]
+        q = [len(x) for x in tokens]
+        reqs = step_requests(self.reqs, rids, self.cache, self.budget, self.page, q)
         t = lambda xs: torch.tensor(xs, dtype=torch.long)
-        st = _Step(list(rids), t([r.row for r in reqs]), t([r.len for r in reqs]), t([r.base for r in reqs]),
-                   t([r.max_len for r in reqs]))
-        self.mode, self.calls, self.step_state = "decode", 0, st
-        meta = AttentionMetadata(slot_mapping=None, batch_size=len(reqs), max_q_len=1, kv_slots=None, kv_range=None,
-                                 mask=None, is_causal=False, q_dest=None, sparse=self)
-        h, _ = self.model(t(tokens), st.pos, self.no_kv, meta)
-        for r in reqs:
-            r.len += 1
+        qt = t(q)
+        row_req = torch.repeat_interleave(torch.arange(len(q)), qt)
+        row_i = torch.arange(int(qt.sum())) - torch.repeat_interleave(qt.cumsum(0) - qt, qt)
+        st = _Step(list(rids), t([r.row for r in reqs]), t([r.len for r in reqs]), qt, t([r.base for r in reqs]),
+                   t([r.max_len for r in reqs]), row_req, row_i, commit)
+        self.mode, self.step_state = "decode", st
+        meta = AttentionMetadata(slot_mapping=None, batch_size=len(reqs), max_q_len=max(q), kv_slots=None,
+                                 kv_range=None, mask=None, is_causal=False, q_dest=None, backend=self)
+        h, _ = self.model(t([x for xs in tokens for x in xs]), st.row_pos, self.no_kv, meta)
+        if commit:
+            for rid, n in zip(rids, q):
+                self.reqs[rid].len += n
         return self.model.compute_logits(h).float()
+
+    def accept(self, rid, length: int):
+        """After a step with commit=False: the request keeps its first `length` positions (the verified ones);
+        their pages' bounds take the kept tokens' keys, the rejected ones are overwritten by later steps."""
+        st, r = self.step_state, self.reqs[rid]
+        b = st.rids.index(rid)
+        n = length - r.len
+        if not 0 <= n <= int(st.q[b]):
+            raise ValueError(f"accept: {length} positions, the step fed {r.len}..{r.len + int(st.q[b])}")
+        rows = ((st.row_req == b) & (st.row_i < n)).nonzero().flatten()
+        for g, kf in enumerate(st.keys):
+            self._fold(r.row, g, st.row_pos[rows], kf[rows])
+        r.len = length
+
+    def _fold(self, row: int | torch.Tensor, g: int, pos: torch.Tensor, kf: torch.Tensor):
+        """Widens the page bounds of bound-row(s) `row` by the float32 keys kf of the tokens at `pos`."""
+        page = pos // self.page
+        self.kmax[row, g, page] = torch.maximum(self.kmax[row, g, page], kf)
+        self.kmin[row, g, page] = torch.minimum(self.kmin[row, g, page], kf)
 
     @property
     def selected(self) -> list:
         """The last step's selection per group: per sequence, the positions it read."""
         return [[idx[b][valid[b]] for b in range(idx.shape[0])] for idx, valid in self.step_state.selected]
 
-    def attend(self, q, k, v, meta, scale):
-        """Called by paged_attention for every layer (meta.sparse is this decoder)."""
-        layer = self.calls
-        self.calls += 1
+    def forward(self, q, k, v, layer, k_cache, v_cache, meta, scale):
+        """Every layer's attention (meta.backend is this decoder): the model's own caches are unused."""
         T, H, D = q.shape
         if self.mode == "prefill":
             self.captured.append((k, v))
@@ -194,34 +233,58 @@ class UlaDecoder:
             st.pending.result()
             st.pending = None
         f = st.fetch
-        f.pool[f.fresh_slots, j, 0] = k  # the new tokens' entries are written through the cache ...
-        f.pool[f.fresh_slots, j, 1] = v
+        fresh = f.fresh_slots.view(st.q.numel(), -1)[st.row_req, st.row_i]
+        f.pool[fresh, j, 0] = k  # the new tokens' entries are written through the cache ...
+        f.pool[fresh, j, 1] = v
         kp, vp = f.pool[f.slots, j, 0], f.pool[f.slots, j, 1]  # ... and read back with the selected ones
-        out = F.scaled_dot_product_attention(q.view(T, 1, H, D).transpose(1, 2), kp.transpose(1, 2),
-                                             vp.transpose(1, 2), attn_mask=st.mask, scale=scale, enable_gqa=True)
+        B, Q = f.slots.shape[0], st.mask.shape[2] if st.mask is not None else 1
+        if Q == 1:
+            qp = q.view(T, 1, H, D)
+        else:  # one padded row of queries per request
+            qp = q.new_zeros(B, Q, H, D)
+            qp[st.row_req, st.row_i] = q
+        out = F.scaled_dot_product_attention(qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                             attn_mask=st.mask, scale=scale, enable_gqa=True).transpose(1, 2)
         if j == self.G - 1:
             f.finish()
-        return out.transpose(1, 2).reshape(T, H * D)
+        return (out.reshape(T, H * D) if Q == 1 else out[st.row_req, st.row_i]).reshape(T, H * D)
 
     def _select(self, st: _Step, g: int, q, k):
-        B, H, D = q.shape
-        page = st.pos // self.page
+        T, H, D = q.shape
+        B, Q = st.q.numel(), int(st.q.max())
         kf = k.float()
-        self.kmax[st.rows, g, page] = torch.maximum(self.kmax[st.rows, g, page], kf)
-        self.kmin[st.rows, g, page] = torch.minimum(self.kmin[st.rows, g, page], kf)
-        ctx = st.pos + 1
+        pos = st.row_pos
+        ctx = pos + 1
         L = int(ctx.max())
         P = -(-L // self.page)
-        keep = quest_pages(q.view(B, 1, H, D), self.kmax[st.rows, g, :P], self.kmin[st.rows, g, :P], ctx,
-                           self.page, self.budget)
-        tok = keep.repeat_interleave(self.page, 1)[:, :L] & (torch.arange(L)[None, :] < ctx[:, None])
-        N = int(tok.sum(1).max())
-        idx = torch.where(tok, torch.arange(L), L).sort(1).values[:, :N]  # positions in order, padded with L
+        if Q == 1 and st.commit:  # a plain decode step: the new keys join the stored bounds now
+            self._fold(st.rows, g, pos, kf)
+            kmax, kmin = self.kmax[st.rows, g, :P], self.kmin[st.rows, g, :P]
+        else:  # each query's own bounds: the stored ones and the new tokens up to it (none stored before accept)
+            st.keys.append(kf)
+            kmax, kmin = self.kmax[st.rows[st.row_req], g, :P], self.kmin[st.rows[st.row_req], g, :P]
+            for d in range(Q):  # the token at row s widens the bounds of row s + d of its request
+                src = (st.row_i + d < st.q[st.row_req]).nonzero().flatten()
+                dst, pg = src + d, pos[src] // self.page
+                kmax[dst, pg] = torch.maximum(kmax[dst, pg], kf[src])
+                kmin[dst, pg] = torch.minimum(kmin[dst, pg], kf[src])
+        keep = quest_pages(q.view(T, 1, H, D), kmax, kmin, ctx, self.page, self.budget)
+        tok = keep.repeat_interleave(self.page, 1)[:, :L] & (torch.arange(L)[None, :] < ctx[:, None])  # [T, L]
+        want = tok if Q == 1 else torch.zeros(B, L, dtype=torch.int32).index_add_(0, st.row_req, tok.int()) > 0
+        N = int(want.sum(1).max())
+        idx = torch.where(want, torch.arange(L), L).sort(1).values[:, :N]  # positions in order, padded with L
         valid = idx < L
         first = st.bases + g * st.max_lens  # address of position 0 of this group
-        fresh = first + st.pos
-        addrs = torch.where(valid, first[:, None] + idx, fresh[:, None])  # padding reads the new token (masked)
-        st.mask = None if bool(valid.all()) else valid[:, None, None, :]
+        fresh = first[:, None] + st.pos[:, None] + torch.minimum(torch.arange(Q)[None, :], st.q[:, None] - 1)
+        addrs = torch.where(valid, first[:, None] + idx, fresh[:, :1])  # padding reads a new token (masked)
+        if Q == 1:
+            st.mask = None if bool(valid.all()) else valid[:, None, None, :]
+        else:  # row t reads what its own selection holds
+            rows = tok.gather(1, idx.clamp(max=L - 1)[st.row_req]) & valid[st.row_req]  # [T, N]
+            st.mask = torch.zeros(B, Q, N, dtype=torch.bool)
+            st.mask[:, :, 0] = True  # padding queries (discarded) read something
+            st.mask[st.row_req, st.row_i] = rows
+            st.mask = st.mask[:, None]
         st.selected.append((idx, valid))
         f = self.cache.fetch(st.rids, addrs, valid, fresh)
         if self.worker is None:

@@ -147,6 +147,8 @@ class MlaDecoder:
 
     Prefill is the plain model over plain caches (all resident); its entries are then written through the backend."""
 
+    verifies = False  # one token per request and step
+
     def __init__(self, model, cache: KVBackend, max_len: int, prefetch: bool = False, index_gb: float | None = None):
         self.model, self.cache, self.max_len = model, cache, max_len
         self.layer_groups = selection_groups(model)

@@ -16,26 +16,29 @@ import random
 import torch
 import torch.nn.functional as F
 
-from lanner.layers.attention import build_attention_metadata
+from lanner.layers.attention import AttentionBackend, build_attention_metadata, paged_attention
 
 
-class QuestSelector:
+class QuestSelector(AttentionBackend):
+    """Quest-sparse decode attention over the paged cache: each decode query reads the selected pages only."""
+
     def __init__(self, num_layers: int, page_size: int = 16, budget: int = 256, group: int = 1):
         if budget < page_size or page_size <= 0 or group <= 0:
             raise ValueError("quest: need page_size > 0, budget >= page_size, group > 0")
         self.L, self.page, self.budget, self.group = num_layers, page_size, budget, group
-        self.calls = 0
         self.selected: list[list[torch.Tensor]] = []  # per layer group of the last step: per sequence, positions
         self._mask = None
 
     def start_step(self):
-        self.calls = 0
         self.selected = []
 
-    def decode_mask(self, qp: torch.Tensor, kp: torch.Tensor, meta) -> torch.Tensor:
-        """qp: [B, 1, H, D] decode queries; kp: [B, Lmax, Hkv, D] their keys. -> bool mask [B, 1, 1, Lmax]."""
-        layer = self.calls % self.L
-        self.calls += 1
+    def forward(self, q, k, v, layer, k_cache, v_cache, meta, scale):
+        return paged_attention(q, k, v, k_cache, v_cache, meta, scale,
+                               select=lambda qp, kp: self.decode_mask(qp, kp, meta, layer))
+
+    def decode_mask(self, qp: torch.Tensor, kp: torch.Tensor, meta, layer: int) -> torch.Tensor:
+        """qp: [B, 1, H, D] decode queries; kp: [B, Lmax, Hkv, D] their keys. -> bool mask [B, 1, 1, Lmax]: a
+        group's first layer selects, the group's later layers reuse its selection."""
         if layer % self.group and self._mask is not None:
             return self._mask
         B, L, Hkv, D = kp.shape
@@ -88,7 +91,7 @@ class SparseSession:
         n = len(tokens)
         meta = build_attention_metadata([n], [self.len + n], [self.table], self.bs, "cpu")
         if self.selector is not None and n == 1:
-            meta.sparse = self.selector
+            meta.backend = self.selector
             self.selector.start_step()
         pos = torch.arange(self.len, self.len + n)
         h, _ = self.model(torch.tensor(tokens), pos, self.kv, meta)

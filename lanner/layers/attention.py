@@ -28,15 +28,29 @@ class AttentionMetadata:
     ctx_lens: list[int] | None = None
     block_tables: list[list[int]] | None = None
     block_size: int = 0
-    # training-free sparse decode attention (lanner.kvcache.quest): given the padded queries and gathered keys,
-    # returns the mask of the tokens each decode query may read; None: dense attention
-    sparse: object | None = None
+    # None: dense attention over the paged cache; else where this step's attention reads and writes
+    backend: AttentionBackend | None = None
 
 
-def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's tokens). Writes k, v to the cache and attends."""
-    if hasattr(meta.sparse, "attend"):  # the KV lives outside this cache (lanner.kvcache.ula): it stores and attends
-        return meta.sparse.attend(q, k, v, meta, scale)
+class AttentionBackend:
+    """A step's attention other than dense reads of the paged cache (AttentionMetadata.backend): Quest-sparse
+    reads of it (lanner.kvcache.quest.QuestSelector), or KV behind UlaCache's addresses (lanner.engine.ula_dense).
+    Models call `attention` with their layer index; the backend gets it, so it needs no call order."""
+
+    def forward(self, q, k, v, layer: int, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def attention(q, k, v, layer: int, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (this step's tokens of layer `layer`) -> [T, H * D]."""
+    if meta.backend is not None:
+        return meta.backend.forward(q, k, v, layer, k_cache, v_cache, meta, scale)
+    return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, select=None):
+    """Writes k, v to the cache and attends. select(qp, kp) -> bool [B, 1, 1, L]: the tokens each decode query
+    reads (sparse attention; single-query steps only)."""
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
     B, Qmax = meta.batch_size, meta.max_q_len
@@ -53,8 +67,8 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     else:
         kp, vp = k_cache[meta.kv_slots], v_cache[meta.kv_slots]
     mask = meta.mask
-    if meta.sparse is not None and Qmax == 1:
-        mask = meta.sparse.decode_mask(qp, kp, meta)
+    if select is not None and Qmax == 1:
+        mask = select(qp, kp)
     Hkv = kp.shape[2]
     if qp.is_cuda and H != Hkv and not meta.is_causal:
         # fold each KV group's query heads into the query axis: one K/V head per SDPA head. CUDA's SDPA sends
@@ -146,4 +160,4 @@ def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
     mask = (kp <= qp) & (kp > qp - window) & (j[None, None, :] < lens[:, None, None])
     mask[:, :, 0] |= i[None, :] >= ql[:, None]  # padded query rows attend to slot 0: avoids NaN rows
     return replace(meta, kv_slots=kv_slots.to(dev), kv_range=None, mask=mask[:, None].to(dev), is_causal=False,
-                   sparse=None)
+                   backend=None)

@@ -47,8 +47,8 @@ class ScaledEmbedding(VocabParallelEmbedding):
 
 
 class GemmaAttention(Attention):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__(cfg)
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.hf["query_pre_attn_scalar"] ** -0.5
@@ -61,12 +61,12 @@ class GemmaMLP(MLP):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str):
+    def __init__(self, cfg: ModelConfig, layer_type: str, index: int):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_type = layer_type
         self.input_layernorm = GemmaRMSNorm(h, eps)
-        self.self_attn = GemmaAttention(cfg)
+        self.self_attn = GemmaAttention(cfg, index)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.mlp = GemmaMLP(cfg)
@@ -136,7 +136,7 @@ class Gemma3Model(LlamaModel):
         if SLIDING in types and not self.window:
             raise ValueError("gemma3: sliding_attention layers need a sliding_window")
         self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, t) for t in types)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, t, i) for i, t in enumerate(types))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None
         self.softcap = hf.get("final_logit_softcapping")

@@ -16,7 +16,7 @@ from lanner.distributed.layers import (
     VocabParallelEmbedding,
     parallel_logits,
 )
-from lanner.layers.attention import AttentionMetadata, paged_attention
+from lanner.layers.attention import AttentionMetadata, attention
 from lanner.layers.rotary import RotaryEmbedding, apply_rotary
 from lanner.models.config import ModelConfig
 from lanner.models.moe import FusedMoE
@@ -35,8 +35,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer
         # under TP each rank takes whole KV groups (a KV head and the query heads that read it)
         D, Hkv, group = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
         if tp_size() > Hkv:
@@ -58,7 +59,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
         qk = apply_rotary(qk, cos, sin)  # q and k heads in one pass: fewer small ops per layer
         q, k = qk[:, :H], qk[:, H:]
-        return self.o_proj(paged_attention(q, k, v, k_cache, v_cache, meta, self.scale))
+        return self.o_proj(attention(q, k, v, self.layer, k_cache, v_cache, meta, self.scale))
 
 
 class MLP(nn.Module):
@@ -113,7 +114,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg) if is_moe_layer(cfg, index) else MLP(cfg)
 

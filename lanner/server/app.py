@@ -30,10 +30,9 @@ from lanner.engine.async_engine import (
     EngineDeadError,
     EngineOverloadedError,
 )
-from lanner.engine.llm_engine import RequestError
+from lanner.engine.llm_engine import LLMEngine, RequestError
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
-from lanner.engine.ula_engine import make_engine
 from lanner.server import tools
 from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 from lanner.server.http import (
@@ -424,7 +423,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, 
                log_level: str = "info", max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S):
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(make_engine(config))
+    engine = AsyncEngine(LLMEngine(config))
     try:
         app = build_app(engine, api_key, max_body_bytes)
         GracefulServer(uvicorn.Config(app, host=host, port=port, log_level=log_level), engine,

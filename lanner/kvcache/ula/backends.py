@@ -65,6 +65,11 @@ class KVBackend:
         entries, whole pages) must be on the device together."""
         raise NotImplementedError
 
+    def step_fits(self, q: list[int], budget: int, page: int) -> bool:
+        """Whether a decode step fits the device slots whose request b feeds q[b] queries (a verify step feeds
+        several), each reading up to `budget` entries: a request's queries may select different pages."""
+        return sum(q) <= self.max_batch(budget, page)
+
     def _count(self, hits: int, accesses: int):
         self.stats["hits"] += hits
         self.stats["accesses"] += accesses
@@ -155,7 +160,7 @@ class UlaDP(KVBackend):
 
     def fetch(self, rids, addrs, valid, fresh) -> Fetch:
         m = self.store.move(torch.unique(addrs), fresh, unique=True)
-        self._count(int(m.plan.hit.sum()), m.plan.addrs.numel() - fresh.numel())
+        self._count(int(m.plan.hit.sum()), m.plan.addrs.numel() - torch.unique(fresh).numel())
         return Fetch(self.store.dev, m.slots_of(addrs), m.slots_of(fresh), m.run, m.finish)
 
 
@@ -181,6 +186,9 @@ class HiSparse(KVBackend):
 
     def max_batch(self, budget, page):
         return self.dev.shape[0] // self.buf_n if self.buf_n >= budget else 0
+
+    def step_fits(self, q, budget, page):  # a request's queries share its own buffer
+        return len(q) <= self.max_batch(budget, page) and max(q) * budget <= self.buf_n
 
     def _admit(self, n):
         if n > len(self.host_free) or len(self.regions) == 0:
@@ -208,23 +216,24 @@ class HiSparse(KVBackend):
         self.host[self.host_slot[addrs]] = data.to("cpu")
 
     def fetch(self, rids, addrs, valid, fresh) -> Fetch:
-        slots, fresh_slots = torch.empty_like(addrs), torch.empty_like(fresh)
+        fresh_rows = fresh.view(len(rids), -1)  # [B] or [B, Q]: each request's new tokens
+        slots, fresh_slots = torch.empty_like(addrs), torch.empty_like(fresh_rows)
         src, dst, victims, plans = [], [], [], []
         for b, rid in enumerate(rids):  # one LRU per request: a loop over requests, not entries
             base = self.requests[rid][0]
             region, pol = self.lru[rid]
-            local, lf = addrs[b] - base, fresh[b : b + 1] - base
+            local, lf = addrs[b] - base, fresh_rows[b] - base
             plan = pol.plan(local)
             s = pol.addr_slot[plan.addrs].clone()
             s[~plan.hit] = plan.load_slots
             s += region * self.buf_n
-            slots[b], fresh_slots[b] = rows_at(plan.addrs, s, local), rows_at(plan.addrs, s, lf)[0]
-            old = plan.load_addrs != lf  # the new token has nothing on the host yet
+            slots[b], fresh_slots[b] = rows_at(plan.addrs, s, local), rows_at(plan.addrs, s, lf)
+            old = ~torch.isin(plan.load_addrs, lf)  # the new tokens have nothing on the host yet
             src.append(self.host_slot[plan.load_addrs[old] + base])
             dst.append(plan.load_slots[old] + region * self.buf_n)
             victims.append(plan.load_slots + region * self.buf_n)
             plans.append((pol, plan))
-            self._count(int(plan.hit.sum()), plan.addrs.numel() - 1)
+            self._count(int(plan.hit.sum()), plan.addrs.numel() - torch.unique(lf).numel())
         src, dst, victims = torch.cat(src), torch.cat(dst), torch.cat(victims)
         self.stats["loaded"] += src.numel()
         started = []
@@ -238,7 +247,7 @@ class HiSparse(KVBackend):
         def finish():
             for pol, plan in plans:
                 pol.commit(plan)
-            self.host[self.host_slot[fresh]] = self.dev[fresh_slots].to("cpu")  # write-through: full history on host
+            self.host[self.host_slot[fresh_rows]] = self.dev[fresh_slots].to("cpu")  # write-through: all on host
 
-        return Fetch(self.dev, slots, fresh_slots, run, finish)
+        return Fetch(self.dev, slots, fresh_slots.view_as(fresh), run, finish)
 

@@ -39,7 +39,7 @@ VARIANTS = ["own", "gemv", "gemv+head", "fused-nohead", "fused", "own+ngram", "f
 def variant(llm, plugin, runtime, proposer, name):
     eng, model = llm.engine, llm.engine.model
     patched = []
-    eng.plugins = eng.runner.plugins = runtime if name.startswith("fused") else None
+    eng.plugins = eng.kv.runner.plugins = runtime if name.startswith("fused") else None
     eng.proposer = proposer if name.endswith("ngram") else None
     if name.startswith("gemv"):
         for layer in model.layers:
@@ -58,7 +58,7 @@ def variant(llm, plugin, runtime, proposer, name):
             del lin.forward
         model.__dict__.pop("compute_logits", None)
         plugin.__dict__.pop("compute_logits", None)
-        eng.plugins = eng.runner.plugins = runtime
+        eng.plugins = eng.kv.runner.plugins = runtime
         eng.proposer = proposer
 
 

@@ -1,0 +1,90 @@
+"""The paged KV system: a block pool with prefix caching, the scheduler that fills it (chunked prefill,
+preemption) and the model runner that reads it. One of the engine's two KV systems (the other is UlaCache,
+lanner.engine.kv_ula); the engine talks to either through the same calls: schedule, run, commit, check_fits,
+update_gauges."""
+from __future__ import annotations
+
+import torch
+
+from lanner.config import EngineConfig
+from lanner.distributed import all_gather_rows, split_sizes, tp_rank, tp_size
+from lanner.engine.loading import kv_blocks, load_target
+from lanner.engine.request import Request, RequestError
+from lanner.engine.runner import ModelRunner, SeqChunk, decode_step, encode_step
+from lanner.engine.scheduler import ScheduledItem, Scheduler
+from lanner.kvcache.block_manager import BlockManager
+from lanner.plugins import Hardware, StepKind
+
+
+def paged_worker(config: EngineConfig, device: str) -> dict | None:
+    """A tensor-parallel worker (lanner.distributed.worker runs it on ranks > 0): its shard, its own KV pool with
+    rank 0's block count, and the handlers for rank 0's calls."""
+    hardware = Hardware.detect(device, config.torch_dtype, tp_size(), tp_rank())
+    model, model_config, plugin_runtime, plugin_bytes = load_target(config, hardware)
+    num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype), plugin_bytes)
+    if num_blocks < 2:  # rank 0 raises the error that names the budget
+        return None
+    # no captured layers: only rank 0 feeds a draft head
+    runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype, device, (), plugin_runtime)
+    return {"step": lambda code, payload: runner.run(*decode_step(code, payload)),
+            "gather_embedding": lambda arg, payload: all_gather_rows(
+                model.embed_tokens.weight, split_sizes(model_config.vocab_size, tp_size()))}
+
+
+class PagedKV:
+    worker = staticmethod(paged_worker)
+
+    def __init__(self, config: EngineConfig, model, plugins, plugin_bytes: int, tp, draft_bytes: int = 0,
+                 capture=()):
+        """draft_bytes: KV bytes per token of a draft that shares the block tables (and so the budget);
+        capture: the layers whose outputs a draft head reads (ModelRunner.features)."""
+        self.config, self.tp = config, tp
+        per_token = ModelRunner.bytes_per_token(model, config.torch_dtype) + draft_bytes
+        self.num_blocks = kv_blocks(config, per_token, plugin_bytes)
+        if self.num_blocks < 2:
+            raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} leaves room for {self.num_blocks} blocks"
+                             + (f" after plugins took {plugin_bytes / 2**20:.0f} MiB" if plugin_bytes else ""))
+        self.block_size = config.block_size
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_queue_len)
+        self.runner = ModelRunner(model, self.num_blocks, config.block_size, config.torch_dtype, config.device,
+                                  capture, plugins)
+        self.summary = (f"{self.num_blocks} KV blocks x {config.block_size} tokens "
+                        f"({self.num_blocks * config.block_size * per_token / 2**30:.2f} GiB"
+                        + (f" on each of {config.tp} ranks)" if config.tp > 1 else ")"))
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """The captured layers' outputs of the last run, one row per scheduled token and draft token."""
+        return self.runner.features
+
+    def check_fits(self, tokens: int):
+        """Raises RequestError when a request of `tokens` tokens (prompt + max_tokens) can never fit."""
+        if -(-tokens // self.block_size) > self.num_blocks:
+            raise RequestError(f"prompt plus max_tokens ({tokens} tokens) does not fit in the KV cache "
+                               f"({self.num_blocks * self.block_size} tokens); raise kv_cache_memory", "max_tokens")
+
+    def run(self, items: list[ScheduledItem], kind: StepKind) -> torch.Tensor:
+        """One forward over the scheduled tokens and drafts -> float32 logits: every row of a drafted item, the
+        last of one that samples, none of a prefill chunk that does not reach its end."""
+        chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
+                           it.request.block_table, "all" if it.draft else "last" if it.samples else "none")
+                  for it in items]
+        if self.tp is None:
+            return self.runner.run(chunks, kind)
+        return self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind))
+
+    def commit(self, req: Request, finishing: bool):
+        """After a step: names the verified full blocks (before a finish frees them, so they stay reusable) and
+        rolls back the blocks taken for rejected draft positions."""
+        self.block_manager.commit_full_blocks(req.block_table, req.block_hashes, req.all_ids,
+                                              min(req.num_computed, req.num_tokens))
+        if not finishing:
+            self.scheduler.trim(req)
+
+    def update_gauges(self, metrics):
+        bm = self.block_manager
+        metrics.kv_usage.set(bm.usage())
+        if bm.query_tokens:
+            metrics.prefix_hit_rate.set(bm.hit_tokens / bm.query_tokens)
