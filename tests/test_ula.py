@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lanner.kvcache.lru import PBLRU, ExactLRU
-from lanner.engine.ula_dense import UlaSession
+from lanner.engine.ula_dense import UlaDecoder, UlaSession
 from lanner.kvcache.ula import CacheFull, GpuOnly, HiSparse, TieredStore, UlaDP, UlaTP, entry_shape
 
 SHAPE = (2, 2, 1, 4)  # unit tests: an entry of 2 layers x (K, V) x 1 head x 4 dims
@@ -178,6 +178,32 @@ def test_sparse_decode_over_ula_cache_matches_resident_quest(model32, reference,
         assert 0 < cache.stats["hits"] < cache.stats["accesses"]
     if system == "hisparse":
         assert cache.stats["loaded"] > 2 * STEPS
+
+
+def test_verify_steps_read_what_single_steps_read(model32, reference):
+    """Several tokens per request and step (a speculative verify): each row's logits equal the one-token step's at
+    its position, and a rejected draft token leaves no trace (its entry and its key's page bounds are rolled back)."""
+    doc, ref_tokens, ref_logits, _ = reference
+    # the device pool takes a step of 5 queries' worst case (5 x 48 entries), not the 3 x 211 stored: evictions
+    cache = UlaDP(entry_shape(model32, G), torch.float32, entries_gb(model32, 250), entries_gb(model32, 700),
+                  poison=True)
+    dec = UlaDecoder(model32, cache, PAGE, BUDGET, G, MAX_LEN)
+    dec.prefill("r", doc, MAX_LEN)
+    wrong = lambda i: (ref_tokens[i] + 7) % model32.cfg.vocab_size  # a draft token the target rejects
+    rows, at = [], 0
+    for keep, draft in ((3, True), (4, True), (3, False)):
+        fed = ref_tokens[at : at + keep] + ([wrong(at + keep)] if draft else [])
+        logits = dec.step(["r"], [fed], commit=not draft)
+        rows.append(logits[:keep])
+        if draft:
+            assert logits[keep - 1].argmax() != fed[-1]
+            dec.accept("r", PROMPT + at + keep)
+        at += keep
+    assert dec.length("r") == PROMPT + STEPS
+    # a verify row's GEMMs have other shapes than a one-row step's: float32 rounding differs by ~1e-4; a query
+    # that read other pages (a page bound that lost a token: one such bug) is off by 0.1-4
+    assert (torch.cat(rows) - ref_logits[1:]).abs().max() <= 3e-4
+    assert cache.store.evicted > 0 and cache.store.loaded > 0
 
 
 def _tp_worker(rank, port, model, doc, out):

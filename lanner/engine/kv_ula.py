@@ -183,9 +183,10 @@ class UlaKV:
     def commit(self, req: Request, finishing: bool):
         """After a verify step: the request keeps its verified positions (a plain step committed itself; a
         request's range is its own until it finishes)."""
+        if finishing or not self.decoder.verifies:
+            return
         st, h = self.decoder.step_state, self.handles.get(req.request_id)
-        if not finishing and st is not None and not st.commit and h in st.rids and self.decoder.length(h) < \
-                req.num_computed:
+        if st is not None and not st.commit and h in st.rids and self.decoder.length(h) < req.num_computed:
             self.decoder.accept(h, req.num_computed)
 
     def update_gauges(self, metrics):

@@ -29,8 +29,8 @@ from lanner.spec.mtp import MtpProposer, load_mtp
 from lanner.spec.hybrid import HybridProposer
 from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
 from lanner.spec.suffix import SuffixProposer
-from lanner.spec.verify import verify_chain
-from lanner.structured import FieldError, Grammars, apply_bitmask, propose_drafts
+from lanner.spec.decoder import SpecDecoder
+from lanner.structured import FieldError, Grammars
 from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lanner")
@@ -103,23 +103,33 @@ class LLMEngine:
                 (self.model_config.num_layers - 1,) if draft_kind == "mtp" else ()
             self.kv = PagedKV(config, self.model, self.plugins, self.plugin_bytes, self.tp, draft_bytes, capture)
         self.scheduler = self.kv.scheduler
-        self.proposer = None
+        proposer = None
         if config.spec == "ngram":
-            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+            proposer = NgramProposer(config.ngram_min, config.ngram_max)
         elif config.kv_tier is None and draft_kind is not None:
             args = (self.kv.num_blocks, config.block_size, config.torch_dtype, config.device, self.plugins)
             # a head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
             embed = self._gather_embedding() if self.tp is not None and draft_kind != "model" else None
             with tp_disabled():
                 if draft_kind in ("head", "mtp"):
-                    proposer = MtpProposer if draft_kind == "mtp" else DraftHeadProposer
-                    self.proposer = proposer(draft_model, self.model, *args, embed_weight=embed)
+                    head = MtpProposer if draft_kind == "mtp" else DraftHeadProposer
+                    proposer = head(draft_model, self.model, *args, embed_weight=embed)
                 else:
-                    self.proposer = DraftModelProposer(draft_model, *args)
+                    proposer = DraftModelProposer(draft_model, *args)
         if config.spec == "suffix":
-            self.proposer = SuffixProposer()
+            proposer = SuffixProposer()
         elif config.spec == "hybrid":
-            self.proposer = HybridProposer(SuffixProposer(), self.proposer, config.spec_tokens)
+            proposer = HybridProposer(SuffixProposer(), proposer, config.spec_tokens)
+        self.spec = SpecDecoder(proposer, config, self.metrics, self.max_model_len)
+
+    @property
+    def proposer(self):
+        """The draft proposer (None: no speculation but grammar-forced drafts); lanner.spec.decoder runs it."""
+        return self.spec.proposer
+
+    @proposer.setter
+    def proposer(self, proposer):
+        self.spec.proposer = proposer
 
     def _gather_embedding(self) -> torch.Tensor:
         """The full (vocab-gathered) embedding table on rank 0, for rank-0-only draft heads."""
@@ -156,20 +166,6 @@ class LLMEngine:
             raise ValueError(f"draft: its vocabulary ({cfg.vocab_size}) differs from the target's "
                              f"({tcfg.vocab_size}); a draft model must share the tokenizer")
         return "model", draft
-
-    def _spec_tokens(self, req: Request, batch_size: int) -> int:
-        p = req.params
-        if p.unverified_draft:  # data generation: drafts at any batch size
-            return min(p.unverified_draft, req.max_tokens - len(req.output_ids) - 1,
-                       self.max_model_len - req.num_tokens - 1)
-        if batch_size > self.config.spec_max_batch or not p.speculative:
-            return 0
-        if p.has_penalties or p.logprobs is not None or p.logit_bias:  # the verifier applies none of them
-            return 0
-        # constrained requests also draft the tokens their grammar forces (lanner.structured.propose_drafts)
-        k = max(self.config.draft_limit if self.proposer is not None else 0,
-                self.config.grammar_draft_tokens if req.grammar is not None else 0)
-        return min(k, req.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
 
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
@@ -248,8 +244,7 @@ class LLMEngine:
         if req is None or req.finished:
             return None
         self.scheduler.finish(req, "abort")
-        if self.proposer is not None:
-            self.proposer.finish(req)
+        self.spec.finish(req, "abort")
         self._observe_finish(req)
         self._update_gauges()  # no step may follow (the last request was aborted): refresh KV/queue gauges now
         return self._output(req)
@@ -280,14 +275,14 @@ class LLMEngine:
             outputs.append(self._output(req))
         if items:
             try:
-                drafted = self._propose(items)
+                drafted = self.spec.propose(items)
                 kind = StepKind.PREFILL if any(it.num_tokens > 1 for it in items) else \
                     StepKind.VERIFY if drafted else StepKind.DECODE
                 t_forward = time.perf_counter()
                 logits = self.kv.run(items, kind)
                 emitted = self._verify_and_sample(items, logits)
-                if kind == StepKind.VERIFY and self.proposer is not None:  # forward + verify: tokens on the host
-                    self.proposer.after_step(time.perf_counter() - t_forward)
+                if kind == StepKind.VERIFY:  # forward + verify: the tokens are on the host now
+                    self.spec.after_step(time.perf_counter() - t_forward)
             except TPError as e:  # the ranks are out of step: fail everything, refuse new work
                 self._fail_engine(e)
                 raise
@@ -307,7 +302,7 @@ class LLMEngine:
 
     def _schedule(self) -> list[ScheduledItem]:
         preempted_before = self.scheduler.num_preemptions
-        items = self.scheduler.schedule(self._spec_tokens)
+        items = self.scheduler.schedule(self.spec.tokens)
         self.metrics.preemptions.inc(self.scheduler.num_preemptions - preempted_before)
         now = time.perf_counter()
         for it in items:
@@ -315,32 +310,13 @@ class LLMEngine:
                 it.request.first_scheduled_time = now
         return items
 
-    def _propose(self, items: list[ScheduledItem]) -> bool:
-        """Fills the drafts of the items that may speculate; -> whether any may."""
-        spec = [it for it in items if it.num_spec > 0]
-        if spec:
-            t0 = time.perf_counter()
-            with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
-                propose_drafts(self.proposer, spec, self.config.draft_limit, self.config.grammar_draft_tokens > 0)
-            if self.proposer is not None:
-                self.metrics.spec_propose_seconds.labels(self.proposer.name).inc(time.perf_counter() - t0)
-                self.metrics.spec_propose_steps.labels(self.proposer.name).inc()
-        return bool(spec)
-
     def _verify_and_sample(self, items: list[ScheduledItem], logits: torch.Tensor) -> dict:
         """-> id(item) -> the tokens a drafted item emits; id(request) -> (token, logprobs) for one that samples."""
         emitted, plain_rows, plain_reqs, row = {}, [], [], 0
         for it in items:
-            if it.draft and it.request.params.unverified_draft:  # accept all; the target adds one token
+            if it.draft:
                 k = len(it.draft)
-                emitted[id(it)] = it.draft + [int(logits[row + k].argmax())]
-                row += k + 1
-            elif it.draft:
-                k = len(it.draft)
-                if it.masks is not None:  # the target verifies under the grammar, row by row
-                    apply_bitmask(logits[row : row + k + 1], it.masks)
-                emitted[id(it)] = verify_chain(logits[row : row + k + 1], it.draft, it.draft_probs,
-                                               it.request.params, it.request.generator)
+                emitted[id(it)] = self.spec.verify(it, logits[row : row + k + 1])
                 row += k + 1
             elif it.samples:
                 plain_rows.append(row)
@@ -368,8 +344,6 @@ class LLMEngine:
                 tokens = emitted[id(it)]
                 before = req.num_tokens
                 req.num_computed += it.num_tokens + len(tokens) - 1
-                if it.num_proposed:  # grammar-forced drafts never touched the proposer
-                    self.proposer.after_verify(req, it.num_proposed, len(tokens) - 1, before)
                 n_out = 0
                 for i, tok in enumerate(tokens):
                     n_out += 1
@@ -379,9 +353,7 @@ class LLMEngine:
                     if reason:
                         break
                 # count what was emitted: a stop inside the accepted chain drops the tokens after it
-                source = "grammar" if not it.num_proposed else \
-                    req.spec_state.source if req.spec_state is not None else self.proposer.name
-                self._record_spec(req, len(it.draft), min(len(tokens) - 1, n_out), n_out, source)
+                self.spec.verified(req, it, tokens, n_out, before)
             else:
                 req.num_computed += it.num_tokens
                 if it.samples:
@@ -401,25 +373,6 @@ class LLMEngine:
             req.error = str(error)
             self._finish(req, "error")
         self._update_gauges()
-
-    def _record_spec(self, req: Request, proposed: int, accepted: int, emitted: int, source: str):
-        req.spec_steps += 1
-        req.spec_drafted[source] = req.spec_drafted.get(source, 0) + proposed
-        req.spec_accepted[source] = req.spec_accepted.get(source, 0) + accepted
-        req.spec_emitted += emitted
-        if len(req.spec_accepted_at) < proposed:
-            req.spec_accepted_at.extend([0] * (proposed - len(req.spec_accepted_at)))
-        for i in range(accepted):
-            req.spec_accepted_at[i] += 1
-        m = self.metrics
-        m.spec_verify_steps.inc()
-        m.spec_draft_tokens.inc(proposed)
-        m.spec_proposer_steps.labels(source).inc()
-        m.spec_proposer_draft_tokens.labels(source).inc(proposed)
-        m.spec_proposer_accepted_tokens.labels(source).inc(accepted)
-        m.spec_emitted_tokens.inc(emitted)
-        for i in range(accepted):
-            m.spec_accepted_at.labels(str(i + 1)).inc()
 
     def _accept_token(self, req: Request, token: int, logprob: dict | None) -> str | None:
         """Appends one token; returns the finish reason it causes, if any (the caller finishes the request)."""
@@ -457,8 +410,7 @@ class LLMEngine:
         # builds no output: _output() consumes the pending delta, so only the output actually returned may call it
         self.scheduler.finish(req, reason)
         self.requests.pop(req.request_id, None)
-        if self.proposer is not None and reason != "error":
-            self.proposer.finish(req)  # e.g. the suffix proposer keeps finished outputs to draft from
+        self.spec.finish(req, reason)
         self._observe_finish(req)
 
     def _observe_finish(self, req: Request):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lanner.engine.sampling import SamplingParams
+from lanner.spec.decoder import SpecStats
 
 
 class Status(enum.Enum):
@@ -64,11 +65,7 @@ class Request:
         self.draft_computed = 0  # positions whose KV the draft holds
         self.pending_feats = None  # draft head: target features of positions draft_computed.. not yet consumed
         self.spec_state = None  # suffix / hybrid speculation: lanner.spec.suffix.SpecState
-        self.spec_drafted: dict[str, int] = {}  # draft tokens proposed, by proposer
-        self.spec_accepted: dict[str, int] = {}  # draft tokens accepted, by proposer
-        self.spec_steps = 0  # verify steps
-        self.spec_emitted = 0  # tokens emitted by verify steps (accepted drafts + 1 each)
-        self.spec_accepted_at: list[int] = []  # [i]: verify steps whose draft token i+1 was accepted
+        self.spec_stats = SpecStats()  # what its verify steps accepted (lanner.spec.decoder)
         self.draft_sources: list[int] | None = [] if params.unverified_draft else None
         self.generator = None
         if params.seed is not None:
@@ -116,9 +113,5 @@ class Request:
             "tpot_s": decode / (n - 1) if n > 1 else None,
             "decode_tok_s": (n - 1) / decode if n > 1 and decode > 0 else None,
             "preemptions": self.num_preemptions,
-            "spec_accept_length": self.spec_emitted / self.spec_steps if self.spec_steps else None,
-            "spec_verify_steps": self.spec_steps,
-            "spec_accepted_per_position": list(self.spec_accepted_at),
-            "spec_draft_tokens": dict(self.spec_drafted),  # by proposer
-            "spec_accepted_tokens": dict(self.spec_accepted),  # by proposer
+            **self.spec_stats.metrics(),
         }

@@ -188,8 +188,8 @@ class UlaDecoder(AttentionBackend):
                                  kv_range=None, mask=None, is_causal=False, q_dest=None, backend=self)
         h, _ = self.model(t([x for xs in tokens for x in xs]), st.row_pos, self.no_kv, meta)
         if commit:
-            for rid, n in zip(rids, q):
-                self.reqs[rid].len += n
+            for rid, r, n in zip(rids, reqs, q):
+                self.accept(rid, r.len + n)
         return self.model.compute_logits(h).float()
 
     def accept(self, rid, length: int):
@@ -207,9 +207,10 @@ class UlaDecoder(AttentionBackend):
 
     def _fold(self, row: int | torch.Tensor, g: int, pos: torch.Tensor, kf: torch.Tensor):
         """Widens the page bounds of bound-row(s) `row` by the float32 keys kf of the tokens at `pos`."""
-        page = pos // self.page
-        self.kmax[row, g, page] = torch.maximum(self.kmax[row, g, page], kf)
-        self.kmin[row, g, page] = torch.minimum(self.kmin[row, g, page], kf)
+        # a reduction, not an indexed assignment: several tokens may share a page (the last write would win)
+        idx = ((torch.as_tensor(row) * self.groups + g) * self.pages + pos // self.page)[:, None, None].expand_as(kf)
+        self.kmax.view(-1, self.Hkv, self.D).scatter_reduce_(0, idx, kf, "amax")
+        self.kmin.view(-1, self.Hkv, self.D).scatter_reduce_(0, idx, kf, "amin")
 
     @property
     def selected(self) -> list:

@@ -12,6 +12,7 @@ from lanner.engine.ula_dense import SeqRange, UlaDecoder, in_inference, step_req
 from lanner.kvcache.ula import GB, CacheFull, Fetch, KVBackend, UlaTP
 from lanner.kvcache.ula.store import rows_at
 from lanner.layers.attention import AttentionMetadata
+from lanner.models.deepseek import LatentStore, ShardedIndexKeys
 
 # ------------------------------------------------------------------ MLA + DSA models (GLM-5, DeepSeek-V3.2) over a backend
 
@@ -68,7 +69,7 @@ class _MlaStep:
     pending: object = None
 
 
-class _LatentView:
+class _LatentView(LatentStore):
     """What the model gets as one layer's latent cache: writes and reads go to the decoder (lanner.models.deepseek
     calls `plan_selected` with the step's whole selection, then `read_selected` per block of query rows)."""
 
@@ -89,23 +90,25 @@ class _LatentView:
 
 
 class _IndexView:
-    """The indexer keys of group g's indexer layer: resident, one row per entry (its address; under UlaTP this
-    rank's entries only, row address // P, and the selection is merged across ranks by `select_top`)."""
+    """The indexer keys of group g's indexer layer: resident, one row per entry (its address)."""
 
     def __init__(self, dec, g: int):
         self.dec, self.g = dec, g
-        if dec.shard is not None:
-            self.select_top = self._select_top
 
     def __setitem__(self, slots, keys):
         self.dec.set_index_keys(self.dec.address(slots, self.g), keys)
 
     def __getitem__(self, slots):
-        if self.dec.shard is not None:
-            raise RuntimeError("indexer keys are sharded over the TP ranks: read them through select_top")
         return self.dec.index_keys[self.dec.address(slots, self.g)]
 
-    def _select_top(self, indexer, q, w, step):
+
+class _ShardedIndexView(_IndexView, ShardedIndexKeys):
+    """Under UlaTP: this rank's entries only (row address // P); the selection is merged across ranks."""
+
+    def __getitem__(self, slots):
+        raise RuntimeError("indexer keys are sharded over the TP ranks: read them through select_top")
+
+    def select_top(self, indexer, q, w, step):
         """This rank scores the context positions it stores keys for (every P-th position of each request), keeps
         its top k, and the ranks' candidates are merged: the global top k is within the union of the local ones.
         -> context positions [B, Qmax, topk], as Indexer.forward returns."""
@@ -168,7 +171,8 @@ class MlaDecoder:
         for g, layers in enumerate(self.layer_groups):
             for j in range(len(layers)):
                 v = _LatentView(self, g, j)
-                self.views.append((v, _IndexView(self, g)) if j == 0 else (v,))
+                index = _IndexView if self.shard is None else _ShardedIndexView
+                self.views.append((v, index(self, g)) if j == 0 else (v,))
         self.reqs: dict = {}
         self.worker = None
         self.set_prefetch(prefetch)

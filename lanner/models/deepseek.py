@@ -105,11 +105,29 @@ class DsaStep:
         return torch.zeros_like(self.allowed).scatter_(2, self.selected, valid)
 
 
-def gather_selected_latent(latent_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+class LatentStore:
+    """A latent cache that is not a tensor (lanner.engine.ula_mla: the latent lives in UlaCache): it is written
+    like one, sees a step's whole selection before the reads (plan_selected) and serves them (read_selected)."""
+
+    def plan_selected(self, slots: torch.Tensor, valid: torch.Tensor):
+        raise NotImplementedError
+
+    def read_selected(self, slots: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ShardedIndexKeys:
+    """Indexer keys spread over tensor-parallel ranks (UlaCache TP): each rank scores the positions whose keys it
+    holds and the ranks merge their top-k (select_top replaces Indexer.top over all keys)."""
+
+    def select_top(self, indexer, q, w, step) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def gather_selected_latent(latent_cache, slots: torch.Tensor) -> torch.Tensor:
     """The one read of the latent KV cache: cache slots [..., K] -> latent entries [..., K, kv_lora_rank + rope].
-    Callers pass only slots the indexer selected (per query row, or their union per sequence). A cache object with
-    `read_selected` (lanner.engine.ula_mla.MlaDecoder: the latent lives in UlaCache) serves the read itself."""
-    if hasattr(latent_cache, "read_selected"):
+    Callers pass only slots the indexer selected (per query row, or their union per sequence)."""
+    if isinstance(latent_cache, LatentStore):
         return latent_cache.read_selected(slots)
     return latent_cache[slots]
 
@@ -145,7 +163,7 @@ class Indexer(nn.Module):
             return step.select_all()
         q = step.pad(self._rope(self.wq_b(q_resid).view(T, self.n_heads, self.head_dim), cos, sin)).float()
         w = step.pad(self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.n_heads ** -0.5)
-        if hasattr(key_cache, "select_top"):  # UlaCache TP: each rank holds and scores its own positions' keys
+        if isinstance(key_cache, ShardedIndexKeys):  # each rank holds and scores its own positions' keys
             return key_cache.select_top(self, q, w, step)
         keys = key_cache[step.ctx_slots]  # [B, L, D]
         return self.top(q, w, keys, step.allowed, self.topk)[1]
@@ -212,7 +230,7 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]
         q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_rot], dim=-1)  # [T, H, R + rope]
         slots, valid = step.selected_slots()  # [T, K]
-        if hasattr(latent_cache, "plan_selected"):  # UlaCache: sees the whole step's selection before the reads
+        if isinstance(latent_cache, LatentStore):  # it sees the whole step's selection before the reads
             latent_cache.plan_selected(slots, valid)
         out = []
         for s in range(0, q.shape[0], ABSORB_ROWS):

@@ -1,0 +1,108 @@
+"""Speculative decoding as the engine runs it: how many draft tokens each request may verify this step, the
+drafts (the proposer's, and the tokens a grammar forces), their lossless verification against the target's
+logits, and what each verify step accepted (per request and in the metrics). The engine calls it between
+scheduling and the forward, and again with the logits; the KV system rolls back what was rejected."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lanner.distributed import tp_disabled
+from lanner.spec.verify import verify_chain
+from lanner.structured import apply_bitmask, propose_drafts
+
+
+@dataclass
+class SpecStats:
+    """One request's speculation so far (reported in its metrics)."""
+
+    drafted: dict = field(default_factory=dict)  # draft tokens proposed, by proposer
+    accepted: dict = field(default_factory=dict)  # draft tokens accepted, by proposer
+    steps: int = 0  # verify steps
+    emitted: int = 0  # tokens emitted by verify steps (accepted drafts + 1 each)
+    accepted_at: list = field(default_factory=list)  # [i]: verify steps whose draft token i+1 was accepted
+
+    def metrics(self) -> dict:
+        return {"spec_accept_length": self.emitted / self.steps if self.steps else None,
+                "spec_verify_steps": self.steps, "spec_accepted_per_position": list(self.accepted_at),
+                "spec_draft_tokens": dict(self.drafted), "spec_accepted_tokens": dict(self.accepted)}
+
+
+class SpecDecoder:
+    def __init__(self, proposer, config, metrics, max_model_len: int):
+        self.proposer, self.config, self.metrics, self.max_model_len = proposer, config, metrics, max_model_len
+
+    def tokens(self, req, batch_size: int) -> int:
+        """Draft tokens `req` may verify in a step of `batch_size` running requests (the scheduler's question)."""
+        p = req.params
+        room = min(req.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
+        if p.unverified_draft:  # data generation: drafts at any batch size
+            return min(p.unverified_draft, room)
+        if batch_size > self.config.spec_max_batch or not p.speculative:
+            return 0
+        if p.has_penalties or p.logprobs is not None or p.logit_bias:  # the verifier applies none of them
+            return 0
+        # constrained requests also draft the tokens their grammar forces (lanner.structured.propose_drafts)
+        k = max(self.config.draft_limit if self.proposer is not None else 0,
+                self.config.grammar_draft_tokens if req.grammar is not None else 0)
+        return min(k, room)
+
+    def propose(self, items) -> bool:
+        """Fills the drafts of the scheduled items that may speculate; -> whether any may."""
+        spec = [it for it in items if it.num_spec > 0]
+        if spec:
+            t0 = time.perf_counter()
+            with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
+                propose_drafts(self.proposer, spec, self.config.draft_limit, self.config.grammar_draft_tokens > 0)
+            if self.proposer is not None:
+                self.metrics.spec_propose_seconds.labels(self.proposer.name).inc(time.perf_counter() - t0)
+                self.metrics.spec_propose_steps.labels(self.proposer.name).inc()
+        return bool(spec)
+
+    @staticmethod
+    def verify(it, logits: torch.Tensor) -> list[int]:
+        """A drafted item's k + 1 logits rows -> the tokens it emits: the accepted drafts and one more."""
+        if it.request.params.unverified_draft:  # accept all; the target adds one token
+            return it.draft + [int(logits[-1].argmax())]
+        if it.masks is not None:  # the target verifies under the grammar, row by row
+            apply_bitmask(logits, it.masks)
+        return verify_chain(logits, it.draft, it.draft_probs, it.request.params, it.request.generator)
+
+    def after_step(self, seconds: float):
+        """A verify step's forward and verification took `seconds` (cost-aware proposers weigh it)."""
+        if self.proposer is not None:
+            self.proposer.after_step(seconds)
+
+    def verified(self, req, it, tokens: list[int], n_out: int, before: int):
+        """After a verify step: `tokens` were emitted by verification (n_out of them kept: a stop may cut the
+        chain), the request held `before` tokens."""
+        if it.num_proposed:  # grammar-forced drafts never touched the proposer
+            self.proposer.after_verify(req, it.num_proposed, len(tokens) - 1, before)
+        source = "grammar" if not it.num_proposed else \
+            req.spec_state.source if req.spec_state is not None else self.proposer.name
+        self._record(req.spec_stats, len(it.draft), min(len(tokens) - 1, n_out), n_out, source)
+
+    def finish(self, req, reason: str):
+        if self.proposer is not None and reason != "error":
+            self.proposer.finish(req)  # e.g. the suffix proposer keeps finished outputs to draft from
+
+    def _record(self, st: SpecStats, proposed: int, accepted: int, emitted: int, source: str):
+        st.steps += 1
+        st.drafted[source] = st.drafted.get(source, 0) + proposed
+        st.accepted[source] = st.accepted.get(source, 0) + accepted
+        st.emitted += emitted
+        if len(st.accepted_at) < proposed:
+            st.accepted_at.extend([0] * (proposed - len(st.accepted_at)))
+        for i in range(accepted):
+            st.accepted_at[i] += 1
+        m = self.metrics
+        m.spec_verify_steps.inc()
+        m.spec_draft_tokens.inc(proposed)
+        m.spec_proposer_steps.labels(source).inc()
+        m.spec_proposer_draft_tokens.labels(source).inc(proposed)
+        m.spec_proposer_accepted_tokens.labels(source).inc(accepted)
+        m.spec_emitted_tokens.inc(emitted)
+        for i in range(accepted):
+            m.spec_accepted_at.labels(str(i + 1)).inc()
