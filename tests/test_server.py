@@ -36,11 +36,11 @@ def wait_idle(engine: AsyncEngine, timeout: float = 10.0):
     e = engine.engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not e.scheduler.running and not e.scheduler.waiting and e.block_manager.num_used == 0:
+        if not e.scheduler.running and not e.scheduler.waiting and e.kv.block_manager.num_used == 0:
             return
         time.sleep(0.05)
     raise AssertionError(f"engine not idle: running={len(e.scheduler.running)} waiting={len(e.scheduler.waiting)} "
-                         f"used_blocks={e.block_manager.num_used}")
+                         f"used_blocks={e.kv.block_manager.num_used}")
 
 
 def sse_events(lines) -> list:

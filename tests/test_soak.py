@@ -110,10 +110,10 @@ def test_soak():
             assert httpx.get(base + "/health").status_code == 200
             e = engine.engine
             deadline = time.monotonic() + 10
-            while (e.scheduler.running or e.scheduler.waiting or e.block_manager.num_used) and \
+            while (e.scheduler.running or e.scheduler.waiting or e.kv.block_manager.num_used) and \
                     time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert not e.scheduler.running and not e.scheduler.waiting and e.block_manager.num_used == 0
+            assert not e.scheduler.running and not e.scheduler.waiting and e.kv.block_manager.num_used == 0
             assert not e.requests
     finally:
         engine.shutdown()
