@@ -212,8 +212,11 @@ def test_verify_steps_read_what_single_steps_read(model32, reference, system):
         assert cache.stats["loaded"] > 0
 
 
-def _tp_worker(rank, port, model, doc, out):
+def _tp_worker(rank, port, doc, out):
+    from lanner.models.loader import ModelSource, load_model
+
     torch.set_num_threads(1)
+    model, _ = load_model(ModelSource.resolve(None), torch.float32, "cpu")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         shape = entry_shape(model, G)
@@ -237,9 +240,9 @@ def test_tp2_distributed_address_space_matches_resident_quest(model32, reference
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # fork: the ranks share the loaded model
-    mp.start_processes(_tp_worker, args=(port, model32, reference[0], str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+    # spawn, not fork: a fork of this many-threaded process can hang in the child on a lock held at fork time
+    mp.start_processes(_tp_worker, args=(port, reference[0], str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
     groups = model32.cfg.num_layers // G
     for prefetch in (False, True):
         ranks = [torch.load(tmp_path / f"rank{r}.pt")[prefetch] for r in range(2)]

@@ -188,7 +188,8 @@ def test_tp2_mla_latent_stored_once_matches_resident_tp_model(model, folder, tmp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(_tp_worker, args=(port, folder, str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    # spawn, not fork: a fork of this many-threaded process can hang in the child on a lock held at fork time
+    mp.start_processes(_tp_worker, args=(port, folder, str(tmp_path)), nprocs=2, join=True, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     n_b = PROMPTS["b"][0]
     for r in ranks:
