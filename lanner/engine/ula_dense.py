@@ -206,11 +206,8 @@ class UlaDecoder(AttentionBackend):
         r.len = length
 
     def _fold(self, row: int | torch.Tensor, g: int, pos: torch.Tensor, kf: torch.Tensor):
-        """Widens the page bounds of bound-row(s) `row` by the float32 keys kf of the tokens at `pos`."""
-        # a reduction, not an indexed assignment: several tokens may share a page (the last write would win)
-        idx = ((torch.as_tensor(row) * self.groups + g) * self.pages + pos // self.page)[:, None, None].expand_as(kf)
-        self.kmax.view(-1, self.Hkv, self.D).scatter_reduce_(0, idx, kf, "amax")
-        self.kmin.view(-1, self.Hkv, self.D).scatter_reduce_(0, idx, kf, "amin")
+        """Widens the stored page bounds of bound-row(s) `row` by the float32 keys kf of the tokens at `pos`."""
+        widen(self.kmax, self.kmin, (torch.as_tensor(row) * self.groups + g) * self.pages + pos // self.page, kf)
 
     @property
     def selected(self) -> list:
@@ -238,7 +235,7 @@ class UlaDecoder(AttentionBackend):
         f.pool[fresh, j, 0] = k  # the new tokens' entries are written through the cache ...
         f.pool[fresh, j, 1] = v
         kp, vp = f.pool[f.slots, j, 0], f.pool[f.slots, j, 1]  # ... and read back with the selected ones
-        B, Q = f.slots.shape[0], st.mask.shape[2] if st.mask is not None else 1
+        B, Q = st.q.numel(), int(st.q.max())
         if Q == 1:
             qp = q.view(T, 1, H, D)
         else:  # one padded row of queries per request
@@ -264,11 +261,10 @@ class UlaDecoder(AttentionBackend):
         else:  # each query's own bounds: the stored ones and the new tokens up to it (none stored before accept)
             st.keys.append(kf)
             kmax, kmin = self.kmax[st.rows[st.row_req], g, :P], self.kmin[st.rows[st.row_req], g, :P]
-            for d in range(Q):  # the token at row s widens the bounds of row s + d of its request
-                src = (st.row_i + d < st.q[st.row_req]).nonzero().flatten()
-                dst, pg = src + d, pos[src] // self.page
-                kmax[dst, pg] = torch.maximum(kmax[dst, pg], kf[src])
-                kmin[dst, pg] = torch.minimum(kmin[dst, pg], kf[src])
+            # the token at row s widens the bounds of rows s, s + 1, .. of its request
+            rows = [(st.row_i + d < st.q[st.row_req]).nonzero().flatten() for d in range(Q)]
+            src, dst = torch.cat(rows), torch.cat([r + d for d, r in enumerate(rows)])
+            widen(kmax, kmin, dst * P + pos[src] // self.page, kf[src])
         keep = quest_pages(q.view(T, 1, H, D), kmax, kmin, ctx, self.page, self.budget)
         tok = keep.repeat_interleave(self.page, 1)[:, :L] & (torch.arange(L)[None, :] < ctx[:, None])  # [T, L]
         want = tok if Q == 1 else torch.zeros(B, L, dtype=torch.int32).index_add_(0, st.row_req, tok.int()) > 0
@@ -294,6 +290,14 @@ class UlaDecoder(AttentionBackend):
             f.run(slice(0, 1))
             st.pending = self.worker.submit(in_inference, f.run, slice(1, self.G))
         st.fetch = f
+
+
+def widen(kmax: torch.Tensor, kmin: torch.Tensor, at: torch.Tensor, kf: torch.Tensor):
+    """Page bounds (contiguous, [..., Hkv, D]) at flat page indices `at` take the keys kf [n, Hkv, D]: a reduction,
+    not an indexed assignment, since several keys may share a page (the last write would win)."""
+    idx = at[:, None, None].expand_as(kf)
+    kmax.view(-1, *kf.shape[1:]).scatter_reduce_(0, idx, kf, "amax")
+    kmin.view(-1, *kf.shape[1:]).scatter_reduce_(0, idx, kf, "amin")
 
 
 def in_inference(fn, *args):
