@@ -184,11 +184,7 @@ class EngineConfig:
         if self.plugin not in (None, "", "none", "auto"):
             raise ValueError(f"plugin: kernel plugins ({self.plugin!r}) do not cover sparse decoding over "
                              f"kv_tier={self.kv_tier!r}; drop one of them")
-        if self.spec not in (None, "none", "auto", "ngram", "suffix") or self.draft:
-            # a draft head reads the target's layer outputs, which the sparse decoders do not keep
-            raise ValueError(f"kv_tier: over UlaCache drafts come from spec='ngram' or 'suffix'; drop "
-                             f"{'draft' if self.draft else f'spec={self.spec!r}'} or kv_tier")
-        if self.spec in ("auto", "none"):  # the default speculation (a draft head) steps aside
+        if self.spec == "auto" and not self.draft:  # sparse decoding is plain unless asked to speculate
             self.spec = None
         for name in ("kv_device_gb", "kv_host_gb"):
             if not isinstance(getattr(self, name), (int, float)) or getattr(self, name) < 0:

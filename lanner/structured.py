@@ -244,8 +244,10 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-def propose_drafts(proposer, items, spec_tokens: int, forced_drafts: bool):
+def propose_drafts(draft, rollback, items, spec_tokens: int, forced_drafts: bool):
     """Fills draft, draft_probs, num_proposed and masks of each speculating item (lanner.engine.scheduler).
+    draft(requests, ks) -> the proposer's (tokens, probabilities) per request, or None without a proposer;
+    rollback(request, proposed) tells the proposer a whole draft was cut.
 
     A constrained request whose grammar forces tokens from here drafts those and skips the proposer. Other drafts
     come from the proposer (at most spec_tokens), are cut where the grammar rejects them, then extended by what the
@@ -256,12 +258,12 @@ def propose_drafts(proposer, items, spec_tokens: int, forced_drafts: bool):
         forced = g.forced_tokens(it.num_spec) if g is not None and forced_drafts else []
         if forced:
             it.draft, it.draft_probs, it.num_proposed = forced, None, 0
-        elif proposer is not None:
+        elif draft is not None:
             ask.append(it)
     if ask:
         ks = [min(it.num_spec, spec_tokens) for it in ask]
-        for it, (draft, probs) in zip(ask, proposer.propose([it.request for it in ask], ks)):
-            it.draft, it.draft_probs, it.num_proposed = list(draft), probs, len(draft)
+        for it, (tokens, probs) in zip(ask, draft([it.request for it in ask], ks)):
+            it.draft, it.draft_probs, it.num_proposed = list(tokens), probs, len(tokens)
     for it in items:
         g = it.request.grammar
         if g is None:
@@ -273,8 +275,8 @@ def propose_drafts(proposer, items, spec_tokens: int, forced_drafts: bool):
             it.draft = it.draft[:n]
             it.draft_probs = None if it.draft_probs is None else it.draft_probs[:n]
         if it.num_proposed > n:
-            if n == 0:  # nothing left to verify: the proposer rolls back now, as after a verify accepting none
-                proposer.after_verify(it.request, it.num_proposed, 0, it.request.num_tokens)
+            if n == 0:  # nothing left to verify: the proposer rolls back now
+                rollback(it.request, it.num_proposed)
             it.num_proposed = n
         if not it.draft:
             it.masks = None  # a plain step: the sampler masks its one row

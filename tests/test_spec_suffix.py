@@ -8,6 +8,7 @@ import pytest
 from lanner import LLM, SamplingParams
 from lanner.cli import build_parser, engine_kwargs
 from lanner.config import EngineConfig
+from lanner.spec.decoder import DraftState
 from lanner.spec.hybrid import HybridProposer
 from lanner.spec.suffix import SuffixProposer, extension, scope_of, step_cost_ms
 
@@ -24,7 +25,7 @@ class Req:
     """The fields of lanner.engine.request.Request the proposer reads."""
 
     def __init__(self, ids, user=None, prompt_len=None):
-        self.all_ids, self.spec_state = list(ids), None
+        self.all_ids = list(ids)
         self.prompt_ids = self.all_ids[: prompt_len if prompt_len is not None else len(ids)]
         self.output_ids = self.all_ids[len(self.prompt_ids):]
         self.params = SamplingParams(user=user)
@@ -55,14 +56,14 @@ def test_shared_index_is_scoped_by_user_and_evicts_oldest_first():
     text = list(range(100, 120))
     proposer.finish(Req([1, 2, 3] + text, user="alice", prompt_len=3))
     query = [50, 51] + text[:6]  # the request's own text never saw this continuation
-    assert proposer.draft(Req(query, user="alice"), 8)[0] == text[6:12]  # as long as the 6-token match
-    assert proposer.draft(Req(query, user="bob"), 8)[0] == []  # another user's outputs never draft
-    assert proposer.draft(Req(query), 8)[0] == []
+    assert proposer.draft(Req(query, user="alice"), DraftState(), 8)[0] == text[6:12]  # as long as the 6-token match
+    assert proposer.draft(Req(query, user="bob"), DraftState(), 8)[0] == []  # another user's outputs never draft
+    assert proposer.draft(Req(query), DraftState(), 8)[0] == []
     proposer.finish(Req([4] + list(range(200, 220)), user="bob", prompt_len=1))  # 40 tokens > 30: alice's leaves
-    assert proposer.stored_tokens == 20 and proposer.draft(Req(query, user="alice"), 8)[0] == []
-    assert proposer.draft(Req([9] + list(range(200, 205)), user="bob"), 4)[0] == [205, 206, 207, 208]
+    assert proposer.stored_tokens == 20 and proposer.draft(Req(query, user="alice"), DraftState(), 8)[0] == []
+    assert proposer.draft(Req([9] + list(range(200, 205)), user="bob"), DraftState(), 4)[0] == [205, 206, 207, 208]
     proposer.forget()  # benchmarks between levels: nothing learned across requests is left
-    assert proposer.stored_tokens == 0 and proposer.draft(Req([9] + list(range(200, 205)), user="bob"), 4)[0] == []
+    assert proposer.stored_tokens == 0 and proposer.draft(Req([9] + list(range(200, 205)), user="bob"), DraftState(), 4)[0] == []
 
 
 def test_step_cost_is_measured_at_an_8k_context():

@@ -56,20 +56,28 @@ def test_ula_dp_admits_by_budget_and_matches_resident(resident):
     assert max(usage) > 0.5 and usage[-1] == 0.0  # /metrics: the share of device + host entries reserved
 
 
-def test_speculation_over_ulacache_matches_sparse_decoding(resident):
-    """Suffix drafts verified over UlaCache: every draft token's query selects its own pages (their bounds hold the
+@pytest.mark.parametrize("spec", ["suffix", "draft"])
+def test_speculation_over_ulacache_matches_sparse_decoding(resident, spec):
+    """Drafts verified over UlaCache: suffix drafts, and the shipped draft head (its features captured by the sparse
+    decoder, its KV in blocks of its own). Every draft token's query selects its own pages (their bounds hold the
     tokens up to it), rejected entries are rolled back, and greedy output equals the same sparse decoding without
     speculation, through evictions and host round trips (poisoned slots). (gpu-only with drafts:
     test_bench_kv_engine; ula-dp and hisparse rows against one-token steps: test_ula.py)"""
-    llm = LLM(kv_tier="ula-dp", kv_device_gb=0.006, kv_host_gb=0.03, kv_poison=True, spec="suffix", **SPARSE)
-    outs = llm.generate(PROMPTS[:4], GREEDY)
+    n = 4 if spec == "suffix" else 3
+    llm = LLM(kv_tier="ula-dp", kv_device_gb=0.006, kv_host_gb=0.03, kv_poison=True, spec=spec,
+              draft="default" if spec == "draft" else None, **SPARSE)
+    outs = llm.generate(PROMPTS[:n], GREEDY)
     assert all(o.error is None for o in outs)
-    assert [o.token_ids for o in outs] == resident[:4]
+    assert [o.token_ids for o in outs] == resident[:n]
     steps = sum(o.metrics["spec_verify_steps"] for o in outs)
     accepted = sum(sum(o.metrics["spec_accepted_tokens"].values()) for o in outs)
     assert steps > 0 and accepted > 0  # drafts were verified, and some kept
-    cache = llm.engine.kv.decoder.cache
+    eng = llm.engine
+    cache = eng.kv.decoder.cache
     assert not cache.requests and cache.stats["accesses"] > cache.stats["hits"]  # entries came back from the host
+    assert not eng.spec.states  # per-request drafting state ends with its request
+    if spec == "draft":  # every block the head took for its KV came back
+        assert len(eng.proposer.free_blocks) * eng.config.block_size == eng.proposer.kv.shape[1] > 0
 
 
 def test_hisparse_tier_matches_resident(resident):
@@ -83,7 +91,7 @@ def test_ula_refusals():
         llm.engine.make_request("Hi " * 400, SamplingParams(max_tokens=16))
     # a request that fits still runs beside the refusal
     assert len(llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4))[0].token_ids) == 4
-    for bad, match in [({"kv_tier": "nvme"}, "kv_tier"), ({"kv_tier": "ula-dp", "spec": "hybrid"}, "'suffix'"),
+    for bad, match in [({"kv_tier": "nvme"}, "kv_tier"), ({"kv_tier": "ula-dp", "spec": "ngram", "draft": "x"}, "draft"),
                        ({"kv_tier": "ula-dp", "plugin": "lowlat"}, "plugins"),
                        ({"kv_tier": "ula-dp", "sparse_budget": 8}, "sparse_budget"),
                        ({"kv_tier": "ula-tp"}, "tp >= 2"), ({"kv_tier": "ula-dp", "tp": 2}, "use ula-tp")]:
@@ -120,7 +128,7 @@ def test_bench_kv_engine(tmp_path):
 def glm_folder(tmp_path_factory):
     from lanner.models.tiny import make_tiny_model
 
-    return make_tiny_model("glm_moe_dsa", str(tmp_path_factory.mktemp("glm")))
+    return make_tiny_model("glm_moe_dsa", str(tmp_path_factory.mktemp("glm")), mtp=True)
 
 
 def test_dsa_model_over_ula_dp_matches_the_paged_engine(glm_folder):
@@ -155,6 +163,15 @@ def test_dsa_model_over_ula_dp_matches_the_paged_engine(glm_folder):
     cache = eng.kv.decoder.cache
     assert cache.store.evicted > 0 and cache.store.loaded > 0  # host round trips
     assert not cache.requests and not eng.kv.decoder.reqs
+    # the checkpoint's MTP layer drafting k = 2 (the UlaCache paper's setting), its features captured by the sparse
+    # decoder: the same tokens (a device pool that also takes the verify steps' queries)
+    mtp = LLM(model=glm_folder, dtype="float32", skip_tokenizer=True, kv_tier="ula-dp", spec="draft", draft="mtp",
+              spec_tokens=2, kv_device_gb=200 * entry / 2 ** 30, kv_host_gb=580 * entry / 2 ** 30, kv_poison=True)
+    outs = mtp.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics["spec_verify_steps"] for o in outs) > 10
+    cache = mtp.engine.kv.decoder.cache
+    assert cache.store.evicted > 0 and cache.store.loaded > 0
 
 
 def test_dsa_model_over_ula_tp_with_two_ranks_matches_the_paged_engine(glm_folder):

@@ -148,6 +148,35 @@ def test_sparse_mla_decode_over_ula_cache_matches_resident_model(model, referenc
         assert cache.stats["loaded"] > 2 * 20
 
 
+def test_verify_steps_read_what_single_steps_read(model, reference):
+    """Several tokens per request and step (a speculative verify; two requests feeding different counts): every
+    row's logits equal the resident model's at its position, each query selecting over the context up to it, and
+    a rejected draft token leaves no trace. The device pool holds one step's worst case (7 queries x (topk + 1)),
+    not the 2 x 160 entries stored: evictions and host round trips."""
+    cache = UlaDP(mla_entry_shape(model), torch.float32, entries(model, 7 * 17), entries(model, 320), poison=True)
+    dec = MlaDecoder(model, cache, MAX_LEN)
+    ref = {n: reference[n] for n in ("a", "b")}
+    nxt = {n: int(dec.prefill(n, prompt(n), MAX_LEN).argmax()) for n in ref}
+    assert all(nxt[n] == ref[n][0][0] for n in ref)
+    rows, at = {n: [] for n in ref}, {n: 0 for n in ref}
+    wrong = lambda t: (t + 7) % model.cfg.vocab_size  # a draft token the target rejects
+    for keep in ({"a": 2, "b": 3}, {"a": 3, "b": 1}, {"a": 1, "b": 4}):  # tokens each request keeps this step
+        fed = {n: ref[n][0][at[n] : at[n] + keep[n]] + [wrong(int(ref[n][1][at[n] + keep[n]].argmax()))] for n in ref}
+        logits = dec.step(list(ref), [fed[n] for n in ref], commit=False)
+        off = 0
+        for n in ref:
+            rows[n].append(logits[off : off + keep[n]])
+            assert logits[off + keep[n] - 1].argmax() != fed[n][-1]
+            off += len(fed[n])
+            at[n] += keep[n]
+            dec.accept(n, len(prompt(n)) + at[n])
+    for n in ref:  # the resident logits after the prompt's last token and after each kept token
+        assert dec.length(n) == len(prompt(n)) + at[n]
+        assert (torch.cat(rows[n]) - ref[n][1][1 : at[n] + 1]).abs().max() <= 1e-4, n
+    cache.store.check()
+    assert cache.store.evicted > 0 and cache.store.loaded > 0
+
+
 def _tp_worker(rank, port, folder, out):
     import torch.distributed as dist
 

@@ -84,7 +84,7 @@ class UlaScheduler(RequestQueue):
     def schedule(self, spec_tokens=None) -> list[ScheduledItem]:
         self.refused = []
         n = len(self.running)
-        ks = [spec_tokens(r, n) if spec_tokens is not None and self.kv.decoder.verifies else 0 for r in self.running]
+        ks = [spec_tokens(r, n) if spec_tokens is not None and self.kv.verifies else 0 for r in self.running]
         dec = self.kv.decoder
         if any(ks) and not dec.cache.step_fits([k + 1 for k in ks], dec.budget, dec.page):
             ks = [0] * n  # the drafts' queries would not fit the device slots: a plain step
@@ -96,7 +96,7 @@ class UlaScheduler(RequestQueue):
                 self.waiting.popleft()
                 req.status = Status.RUNNING
                 self.running.append(req)
-                items.append(ScheduledItem(req, 0, len(req.prompt_ids)))
+                items.append(ScheduledItem(req, 0, len(req.prompt_ids), admitted=True))
             elif not self.running:  # nothing will free space (check_fits passed it on totals alone)
                 req.error = f"its KV range ({max_len} tokens) does not fit the empty {self.kv.config.kv_tier} cache"
                 self.refused.append(req)
@@ -112,17 +112,21 @@ class UlaKV:
     parallelism rank 0 sends each add / step / close to the workers before running its own, so the model's and the
     cache's collectives line up (ula_worker)."""
     worker = staticmethod(ula_worker)
-    features = None  # no draft head reads this system's layers
 
-    def __init__(self, config: EngineConfig, model, model_config, tp):
+    def __init__(self, config: EngineConfig, model, model_config, tp, capture=()):
+        """capture: the layers whose outputs a draft head reads (features)."""
         self.config, self.tp = config, tp
         self.decoder, self.groups, budget, how = build_decoder(config, model, model_config)
+        self.decoder.capture_layers = tuple(capture)
+        self.features: torch.Tensor | None = None  # the last run's captured outputs, a row per token and draft
         cache = self.decoder.cache
         self.handles: dict[str, int] = {}  # request id -> the decoder's id for it (the same on every TP rank)
         self._next_handle = itertools.count()
-        if config.spec is not None and not self.decoder.verifies:
-            raise ValueError(f"spec: {model_config.architecture} decodes one token per step over kv_tier (its DSA "
-                             f"decoder does not verify drafts yet); drop spec={config.spec!r} or kv_tier")
+        # verify steps run rank 0's decoder only (the workers' step message carries one token per request)
+        self.verifies = config.tp == 1
+        if config.spec is not None and not self.verifies:
+            raise ValueError(f"spec: over kv_tier={config.kv_tier!r} drafts are verified at tp=1; drop "
+                             f"spec={config.spec!r} or tp={config.tp}")
         self.scheduler = UlaScheduler(self, config.max_num_seqs, config.max_queue_len)
         if self.scheduler.max_batch < 1:
             raise ValueError(f"kv_device_gb: {config.kv_device_gb} GiB cannot hold one decode step's selection "
@@ -155,7 +159,7 @@ class UlaKV:
         """The decode step over the running requests, then the new request's prefill -> float32 logits: a row per
         item, and per draft token of a verifying one."""
         decoding = [it for it in items if it.num_tokens == 1 and it.start > 0]
-        logits = []
+        logits, feats = [], []
         if decoding:
             handles = [self.handles[it.request.request_id] for it in decoding]
             if any(it.draft for it in decoding):  # a verify step: accept() (commit) says how much stays
@@ -165,25 +169,29 @@ class UlaKV:
                 tokens = [it.request.all_ids[-1] for it in decoding]
                 logits.append(self._on_ranks("ula.step", 0, handles + tokens,
                                              lambda: self.decoder.step(handles, tokens)))
+            feats.append(self.decoder.features)
         for it in items[len(decoding):]:
-            logits.append(self._prefill(it.request))
+            pre = self._prefill(it.request)
+            logits.append(pre.logits[None])
+            feats.append(pre.features)
+        self.features = None if not self.decoder.capture_layers else torch.cat(feats)
         return torch.cat(logits)
 
-    def _prefill(self, req: Request) -> torch.Tensor:
+    def _prefill(self, req: Request):
         max_len = len(req.prompt_ids) + req.max_tokens
         h = self.handles[req.request_id] = next(self._next_handle)
 
         def local():
             pre = self.decoder.run_prefill(req.prompt_ids)
             self.decoder.add(h, pre, max_len)
-            return pre.logits[None]
+            return pre
 
         return self._on_ranks("ula.add", h, [max_len] + list(req.prompt_ids), local)
 
     def commit(self, req: Request, finishing: bool):
         """After a verify step: the request keeps its verified positions (a plain step committed itself; a
         request's range is its own until it finishes)."""
-        if finishing or not self.decoder.verifies:
+        if finishing or not self.verifies:
             return
         st, h = self.decoder.step_state, self.handles.get(req.request_id)
         if st is not None and not st.commit and h in st.rids and self.decoder.length(h) < req.num_computed:

@@ -90,24 +90,29 @@ class LLMEngine:
 
     def _build_cache(self, config: EngineConfig):
         """The KV system, its scheduler and the draft proposer."""
-        draft_kind = None
+        draft_kind, draft_model = self._load_draft() if config.spec in ("draft", "hybrid") else (None, None)
+        # an MTP layer's feature is the last layer's output: the hidden state before the final norm
+        capture = draft_model.cfg.feature_layers if draft_kind == "head" else \
+            (self.model_config.num_layers - 1,) if draft_kind == "mtp" else ()
         if config.kv_tier is not None:
-            self.kv = UlaKV(config, self.model, self.model_config, self.tp)
+            if draft_kind == "model":
+                raise ValueError(f"draft: over kv_tier={config.kv_tier!r} drafts come from a draft head, the "
+                                 f"checkpoint's MTP layer, or spec='ngram' / 'suffix'; {config.draft!r} is a "
+                                 f"standalone draft model")
+            self.kv = UlaKV(config, self.model, self.model_config, self.tp, capture)
         else:
-            draft_kind, draft_model = self._load_draft() if config.spec in ("draft", "hybrid") else (None, None)
             # the draft's pool shares the target's block tables, so it shares the budget
             draft_bytes = 0 if draft_model is None else ModelRunner.bytes_per_token(
                 draft_model.model_cfg if draft_kind == "head" else draft_model, config.torch_dtype)
-            # an MTP layer's feature is the last layer's output: the hidden state before the final norm
-            capture = draft_model.cfg.feature_layers if draft_kind == "head" else \
-                (self.model_config.num_layers - 1,) if draft_kind == "mtp" else ()
             self.kv = PagedKV(config, self.model, self.plugins, self.plugin_bytes, self.tp, draft_bytes, capture)
         self.scheduler = self.kv.scheduler
         proposer = None
         if config.spec == "ngram":
             proposer = NgramProposer(config.ngram_min, config.ngram_max)
-        elif config.kv_tier is None and draft_kind is not None:
-            args = (self.kv.num_blocks, config.block_size, config.torch_dtype, config.device, self.plugins)
+        elif draft_kind is not None:
+            # over UlaCache (no block tables) a head keeps blocks of its own
+            num_blocks = None if config.kv_tier is not None else self.kv.num_blocks
+            args = (num_blocks, config.block_size, config.torch_dtype, config.device, self.plugins)
             # a head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
             embed = self._gather_embedding() if self.tp is not None and draft_kind != "model" else None
             with tp_disabled():
@@ -336,8 +341,7 @@ class LLMEngine:
             req = it.request
             if feats is not None:  # keep the target features of the verified rows for the draft head
                 n_valid = it.num_tokens + (len(emitted[id(it)]) - 1 if it.draft else 0)
-                rows = feats[offset : offset + n_valid]
-                req.pending_feats = rows if req.pending_feats is None else torch.cat([req.pending_feats, rows])
+                self.spec.keep_features(req, feats[offset : offset + n_valid])
                 offset += it.num_tokens + len(it.draft)
             reason = None
             if it.draft:

@@ -62,9 +62,6 @@ class Request:
         self.num_computed = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions = 0
-        self.draft_computed = 0  # positions whose KV the draft holds
-        self.pending_feats = None  # draft head: target features of positions draft_computed.. not yet consumed
-        self.spec_state = None  # suffix / hybrid speculation: lanner.spec.suffix.SpecState
         self.spec_stats = SpecStats()  # what its verify steps accepted (lanner.spec.decoder)
         self.draft_sources: list[int] | None = [] if params.unverified_draft else None
         self.generator = None

@@ -31,6 +31,7 @@ class ScheduledItem:
     draft_probs: object = None  # [len(draft), V] tensor, or None (one-hot drafts)
     num_proposed: int = 0  # how many of the draft tokens the proposer wrote (the rest the grammar forced)
     masks: object = None  # constrained requests: grammar bitmask per verify row (lanner.structured)
+    admitted: bool = False  # the KV system (re)admitted the request this step, keeping positions < start
 
     def __post_init__(self):
         self.samples = self.start + self.num_tokens == self.request.num_tokens
@@ -126,16 +127,14 @@ class Scheduler(RequestQueue):
             self.blocks.acquire_cached(cached)
             req.block_table = cached + self.blocks.allocate(need)
             req.block_hashes = hashes
-            req.num_computed = num_cached
-            # cached blocks carry the draft's KV too (same block tables), written for the same tokens
-            req.draft_computed, req.pending_feats = num_cached, None
+            req.num_computed = num_cached  # cached blocks carry a draft's KV too (same block tables)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
             self.blocks.query_tokens += req.num_tokens
             self.blocks.hit_tokens += num_cached
             req.status = Status.RUNNING
             self.running.append(req)
-            items.append(ScheduledItem(req, num_cached, n))
+            items.append(ScheduledItem(req, num_cached, n, admitted=True))
             budget -= n
         return items
 

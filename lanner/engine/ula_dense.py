@@ -23,6 +23,7 @@ class Prefilled:
     kmax: torch.Tensor  # [groups, pages, Hkv, D] float32
     kmin: torch.Tensor
     logits: torch.Tensor  # [V] float32
+    features: torch.Tensor | None = None  # [n, F] the captured layers' outputs (a draft head's input)
 
 
 @dataclass
@@ -81,8 +82,6 @@ class UlaDecoder(AttentionBackend):
     prefetch: at a group's first layer, move layer 0's part of the fetched entries, hand the later layers' parts
     to a worker thread and compute meanwhile (a GPU would use a copy stream); the next layer waits for them."""
 
-    verifies = True  # a step may feed several tokens per request (step(commit=False), accept)
-
     def __init__(self, model, cache: KVBackend, page_size: int = 16, budget: int = 256, group: int = 10,
                  max_len: int = 4096, prefetch: bool = False):
         L = model.cfg.num_layers
@@ -105,6 +104,8 @@ class UlaDecoder(AttentionBackend):
         self.set_prefetch(prefetch)
         self.no_kv = [(None, None)] * L
         self.mode, self.step_state, self.captured = None, None, []
+        self.capture_layers: tuple = ()  # layers whose outputs each step keeps (features), for a draft head
+        self.features: torch.Tensor | None = None  # the last step's, a row per token
 
     def set_prefetch(self, on: bool):
         if on and self.worker is None and self.G > 1:
@@ -121,7 +122,7 @@ class UlaDecoder(AttentionBackend):
         self.mode, self.captured = "prefill", []
         meta = AttentionMetadata(slot_mapping=None, batch_size=1, max_q_len=n, kv_slots=None, kv_range=None,
                                  mask=None, is_causal=True, q_dest=None, backend=self)
-        h, _ = self.model(torch.tensor(tokens), torch.arange(n), self.no_kv, meta)
+        h, feats = self.model(torch.tensor(tokens), torch.arange(n), self.no_kv, meta, self.capture_layers)
         logits = self.model.compute_logits(h[-1:]).float()[0]
         k = torch.stack([c[0] for c in self.captured])  # [L, n, Hkv, D]
         v = torch.stack([c[1] for c in self.captured])
@@ -132,7 +133,7 @@ class UlaDecoder(AttentionBackend):
         pad = (0, 0, 0, 0, 0, P * self.page - n)
         kmax = F.pad(kf, pad, value=-math.inf).view(ng, P, self.page, self.Hkv, self.D).amax(2)
         kmin = F.pad(kf, pad, value=math.inf).view(ng, P, self.page, self.Hkv, self.D).amin(2)
-        return Prefilled(n, entries, kmax, kmin, logits)
+        return Prefilled(n, entries, kmax, kmin, logits, joined(feats))
 
     def add(self, rid, pre: Prefilled, max_len: int):
         """Admits a request whose prompt was prefilled (raises CacheFull) and writes its entries."""
@@ -186,7 +187,8 @@ class UlaDecoder(AttentionBackend):
         self.mode, self.step_state = "decode", st
         meta = AttentionMetadata(slot_mapping=None, batch_size=len(reqs), max_q_len=max(q), kv_slots=None,
                                  kv_range=None, mask=None, is_causal=False, q_dest=None, backend=self)
-        h, _ = self.model(t([x for xs in tokens for x in xs]), st.row_pos, self.no_kv, meta)
+        h, feats = self.model(t([x for xs in tokens for x in xs]), st.row_pos, self.no_kv, meta, self.capture_layers)
+        self.features = joined(feats)
         if commit:
             for rid, r, n in zip(rids, reqs, q):
                 self.accept(rid, r.len + n)
@@ -298,6 +300,11 @@ def widen(kmax: torch.Tensor, kmin: torch.Tensor, at: torch.Tensor, kf: torch.Te
     idx = at[:, None, None].expand_as(kf)
     kmax.view(-1, *kf.shape[1:]).scatter_reduce_(0, idx, kf, "amax")
     kmin.view(-1, *kf.shape[1:]).scatter_reduce_(0, idx, kf, "amin")
+
+
+def joined(captured: list) -> torch.Tensor | None:
+    """The captured layers' outputs side by side ([T, layers * hidden]), as a draft head reads them."""
+    return torch.cat(captured, -1) if captured else None
 
 
 def in_inference(fn, *args):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lanner.distributed import all_gather_last
-from lanner.engine.ula_dense import SeqRange, UlaDecoder, in_inference, step_requests
+from lanner.engine.ula_dense import SeqRange, UlaDecoder, in_inference, joined, step_requests
 from lanner.kvcache.ula import GB, CacheFull, Fetch, KVBackend, UlaTP
 from lanner.kvcache.ula.store import rows_at
 from lanner.layers.attention import AttentionMetadata
@@ -54,12 +54,18 @@ class MlaPrefilled:
     entries: torch.Tensor  # [groups, n, G, latent]
     index_keys: torch.Tensor  # [groups, n, index_head_dim]
     logits: torch.Tensor  # [V] float32
+    features: torch.Tensor | None = None  # [n, F] the captured layers' outputs (an MTP layer's input)
 
 
 @dataclass
 class _MlaStep:
     rids: list
-    fresh: torch.Tensor  # [B] the new tokens' group-0 addresses
+    q: torch.Tensor  # [B] new tokens per request
+    fresh: torch.Tensor  # [B, Qmax] the new tokens' group-0 addresses (padding repeats a request's last one)
+    row_req: torch.Tensor  # [T] request of each new token ...
+    row_i: torch.Tensor  # ... and its index among the request's new tokens
+    base: torch.Tensor  # [B] each request's group-0 address of position 0
+    commit: bool
     bases: torch.Tensor  # [B] the requests' base addresses, sorted ...
     strides: torch.Tensor  # ... and their max_len: group g's entry of group-0 address a is a + g * stride
     new: dict = field(default_factory=dict)  # layer in group -> the new tokens' latent, written before the fetch
@@ -150,8 +156,6 @@ class MlaDecoder:
 
     Prefill is the plain model over plain caches (all resident); its entries are then written through the backend."""
 
-    verifies = False  # one token per request and step
-
     def __init__(self, model, cache: KVBackend, max_len: int, prefetch: bool = False, index_gb: float | None = None):
         self.model, self.cache, self.max_len = model, cache, max_len
         self.layer_groups = selection_groups(model)
@@ -177,6 +181,8 @@ class MlaDecoder:
         self.worker = None
         self.set_prefetch(prefetch)
         self.step_state = None
+        self.capture_layers: tuple = ()  # layers whose outputs each step keeps (features), for an MTP draft
+        self.features: torch.Tensor | None = None
 
     set_prefetch = UlaDecoder.set_prefetch
 
@@ -189,11 +195,11 @@ class MlaDecoder:
                   for shapes in self.model.kv_cache_shapes()]
         meta = AttentionMetadata(slot_mapping=torch.arange(n), batch_size=1, max_q_len=n, kv_slots=None,
                                  kv_range=(0, n), mask=None, is_causal=True, q_dest=None, q_lens=[n], ctx_lens=[n])
-        h, _ = self.model(torch.tensor(tokens), torch.arange(n), caches, meta)
+        h, feats = self.model(torch.tensor(tokens), torch.arange(n), caches, meta, self.capture_layers)
         logits = self.model.compute_logits(h[-1:]).float()[0]
         entries = torch.stack([torch.stack([caches[i][0] for i in layers], 1) for layers in self.layer_groups])
         keys = torch.stack([caches[layers[0]][1] for layers in self.layer_groups])
-        return MlaPrefilled(n, entries, keys, logits)
+        return MlaPrefilled(n, entries, keys, logits, joined(feats))
 
     def add(self, rid, pre: MlaPrefilled, max_len: int):
         """Admits a request whose prompt was prefilled (raises CacheFull) and writes its entries and indexer keys."""
@@ -245,26 +251,46 @@ class MlaDecoder:
     # ---- decode
 
     @torch.inference_mode()
-    def step(self, rids: list, tokens: list[int]) -> torch.Tensor:
-        """One decode token per request -> float32 logits [B, V]."""
-        reqs = step_requests(self.reqs, rids, self.cache, self.budget, self.page)
+    def step(self, rids: list, tokens: list, commit: bool = True) -> torch.Tensor:
+        """tokens: per request one new token, or a list of them (its last token and a draft to verify) -> float32
+        logits, a row per token in request order; each token's query selects (the indexer) over the context up to
+        it. commit=False leaves the new tokens pending until accept() says how many of them stay (a verify step)."""
+        tokens = [[t] if isinstance(t, int) else list(t) for t in tokens]
+        q = [len(x) for x in tokens]
+        reqs = step_requests(self.reqs, rids, self.cache, self.budget, self.page, q)
         t = lambda xs: torch.tensor(xs, dtype=torch.long)
-        pos, base = t([r.len for r in reqs]), t([r.base for r in reqs])
-        fresh = base + pos
-        ctx = pos + 1
+        pos, base, qt = t([r.len for r in reqs]), t([r.base for r in reqs]), t(q)
+        B, Q = len(reqs), max(q)
+        row_req = torch.repeat_interleave(torch.arange(B), qt)
+        row_i = torch.arange(int(qt.sum())) - torch.repeat_interleave(qt.cumsum(0) - qt, qt)
+        fresh = base[:, None] + pos[:, None] + torch.minimum(torch.arange(Q)[None, :], qt[:, None] - 1)  # [B, Q]
+        ctx = pos + qt
         j = torch.arange(int(ctx.max()))
         # context "slots" are group-0 addresses; columns past a shorter request's context read its new token (masked)
-        kv_slots = torch.where(j < ctx[:, None], base[:, None] + j, fresh[:, None])
-        meta = AttentionMetadata(slot_mapping=fresh, batch_size=len(reqs), max_q_len=1, kv_slots=kv_slots,
-                                 kv_range=None, mask=None, is_causal=False, q_dest=None, q_lens=[1] * len(reqs),
-                                 ctx_lens=ctx.tolist())
+        kv_slots = torch.where(j < ctx[:, None], base[:, None] + j, fresh[:, :1])
+        meta = AttentionMetadata(slot_mapping=fresh[row_req, row_i], batch_size=B, max_q_len=Q, kv_slots=kv_slots,
+                                 kv_range=None, mask=None, is_causal=False,
+                                 q_dest=None if min(q) == Q else row_req * Q + row_i, q_lens=q, ctx_lens=ctx.tolist())
         order = base.argsort()
-        self.step_state = st = _MlaStep(list(rids), fresh, base[order], t([r.max_len for r in reqs])[order])
-        h, _ = self.model(t(tokens), pos, self.views, meta)
+        self.step_state = st = _MlaStep(list(rids), qt, fresh, row_req, row_i, base, commit, base[order],
+                                        t([r.max_len for r in reqs])[order])
+        h, feats = self.model(t([x for xs in tokens for x in xs]), pos[row_req] + row_i, self.views, meta,
+                              self.capture_layers)
+        self.features = joined(feats)
         st.fetch.finish()  # the last group's reads are done
-        for r in reqs:
-            r.len += 1
+        if commit:
+            for r, n in zip(reqs, q):
+                r.len += n
         return self.model.compute_logits(h).float()
+
+    def accept(self, rid, length: int):
+        """After a step with commit=False: the request keeps its first `length` positions (the verified ones).
+        Rejected positions' entries and indexer keys lie past its length, where later steps overwrite them."""
+        st, r = self.step_state, self.reqs[rid]
+        q = int(st.q[st.rids.index(rid)])
+        if not r.len <= length <= r.len + q:
+            raise ValueError(f"accept: {length} positions, the step fed {r.len}..{r.len + q}")
+        r.len = length
 
     def address(self, slots: torch.Tensor, g: int) -> torch.Tensor:
         """Group-0 addresses of this step's requests -> group g's addresses."""
@@ -274,15 +300,18 @@ class MlaDecoder:
         return slots + g * st.strides[torch.searchsorted(st.bases, slots, right=True) - 1]
 
     def _plan(self, g: int, j: int, slots, valid):
-        """Layer j of group g has its selection ([B, K] group-0 addresses): at the group's first layer fetch the
-        selected entries and the new tokens' (whose rows get this step's latent); later layers reuse the fetch."""
+        """Layer j of group g has its selection ([T, K] group-0 addresses, a row per query): at the group's first
+        layer fetch each request's selected entries (the union over its queries) and its new tokens' (whose rows
+        get this step's latent); later layers reuse the fetch."""
         st = self.step_state
         if j == 0:
             if st.fetch is not None:
                 st.fetch.finish()  # the previous group's reads are done: commit its moves before planning this one
+            if slots.shape[0] != st.q.numel():  # several queries per request: their union, each address once
+                slots, valid = self._union(slots, valid)
             fresh = self.address(st.fresh, g)
-            addrs = torch.cat([self.address(slots, g), fresh[:, None]], 1)  # the new token's entry is always stored
-            valid = torch.cat([valid, valid.new_zeros(valid.shape[0], 1)], 1)
+            addrs = torch.cat([self.address(slots, g), fresh], 1)  # the new tokens' entries are always stored
+            valid = torch.cat([valid, valid.new_zeros(fresh.shape)], 1)
             f = self.cache.fetch(st.rids, addrs, valid, fresh)
             st.need, inv = torch.unique(addrs, return_inverse=True)
             st.rows = torch.empty_like(st.need)
@@ -296,4 +325,18 @@ class MlaDecoder:
         if j == 1 and st.pending is not None:
             st.pending.result()
             st.pending = None
-        st.fetch.pool[st.fetch.fresh_slots, j] = st.new.pop(j)
+        st.fetch.pool[st.fetch.fresh_slots.view(st.fresh.shape)[st.row_req, st.row_i], j] = st.new.pop(j)
+
+    def _union(self, slots, valid):
+        """Query rows' selections [T, K] -> each request's distinct selected slots [B, N] (padded, not valid)."""
+        st = self.step_state
+        B = st.q.numel()
+        first = st.base
+        pos = torch.where(valid, slots - first[st.row_req, None], 0)
+        L = int(pos.max()) + 1
+        want = torch.zeros(B, L, dtype=torch.bool)
+        want[st.row_req[:, None].expand_as(pos)[valid], pos[valid]] = True
+        N = max(1, int(want.sum(1).max()))
+        idx = torch.where(want, torch.arange(L), L).sort(1).values[:, :N]
+        ok = idx < L
+        return torch.where(ok, first[:, None] + idx, st.fresh[:, :1]), ok

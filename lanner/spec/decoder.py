@@ -30,9 +30,28 @@ class SpecStats:
                 "spec_draft_tokens": dict(self.drafted), "spec_accepted_tokens": dict(self.accepted)}
 
 
+@dataclass
+class DraftState:
+    """A request's drafting progress, kept by the SpecDecoder (by request id) and handed to its proposer."""
+
+    computed: int = 0  # positions whose KV the draft holds
+    features: torch.Tensor | None = None  # draft heads: target features of positions computed.. not yet consumed
+    blocks: list[int] = field(default_factory=list)  # the draft's own KV blocks (a target without block tables)
+    suffix: object = None  # the suffix proposer's index over the request's tokens
+    source: str | None = None  # the proposer that drafted the request's last step
+    head_accepted: float | None = None  # hybrid: running mean of the head's accepted tokens per step
+
+
 class SpecDecoder:
     def __init__(self, proposer, config, metrics, max_model_len: int):
         self.proposer, self.config, self.metrics, self.max_model_len = proposer, config, metrics, max_model_len
+        self.states: dict[str, DraftState] = {}
+
+    def state(self, req) -> DraftState:
+        st = self.states.get(req.request_id)
+        if st is None:
+            st = self.states[req.request_id] = DraftState()
+        return st
 
     def tokens(self, req, batch_size: int) -> int:
         """Draft tokens `req` may verify in a step of `batch_size` running requests (the scheduler's question)."""
@@ -51,11 +70,22 @@ class SpecDecoder:
 
     def propose(self, items) -> bool:
         """Fills the drafts of the scheduled items that may speculate; -> whether any may."""
+        for it in items:
+            if it.admitted:  # the KV system (re)starts it at it.start: what the draft held past that is gone
+                st = self.state(it.request)
+                st.computed, st.features = it.start, None
         spec = [it for it in items if it.num_spec > 0]
         if spec:
             t0 = time.perf_counter()
+            draft = rollback = None
+            if self.proposer is not None:
+                def draft(reqs, ks):
+                    return self.proposer.propose(reqs, ks, [self.state(r) for r in reqs])
+
+                def rollback(req, proposed):  # the grammar cut a whole draft: as after a verify accepting none
+                    self.proposer.after_verify(req, self.state(req), proposed, 0, req.num_tokens)
             with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
-                propose_drafts(self.proposer, spec, self.config.draft_limit, self.config.grammar_draft_tokens > 0)
+                propose_drafts(draft, rollback, spec, self.config.draft_limit, self.config.grammar_draft_tokens > 0)
             if self.proposer is not None:
                 self.metrics.spec_propose_seconds.labels(self.proposer.name).inc(time.perf_counter() - t0)
                 self.metrics.spec_propose_steps.labels(self.proposer.name).inc()
@@ -70,6 +100,11 @@ class SpecDecoder:
             apply_bitmask(logits, it.masks)
         return verify_chain(logits, it.draft, it.draft_probs, it.request.params, it.request.generator)
 
+    def keep_features(self, req, rows: torch.Tensor):
+        """The target's features of the request's newly verified positions (the draft head's input)."""
+        st = self.state(req)
+        st.features = rows if st.features is None else torch.cat([st.features, rows])
+
     def after_step(self, seconds: float):
         """A verify step's forward and verification took `seconds` (cost-aware proposers weigh it)."""
         if self.proposer is not None:
@@ -78,15 +113,18 @@ class SpecDecoder:
     def verified(self, req, it, tokens: list[int], n_out: int, before: int):
         """After a verify step: `tokens` were emitted by verification (n_out of them kept: a stop may cut the
         chain), the request held `before` tokens."""
+        source = "grammar"
         if it.num_proposed:  # grammar-forced drafts never touched the proposer
-            self.proposer.after_verify(req, it.num_proposed, len(tokens) - 1, before)
-        source = "grammar" if not it.num_proposed else \
-            req.spec_state.source if req.spec_state is not None else self.proposer.name
+            st = self.state(req)
+            self.proposer.after_verify(req, st, it.num_proposed, len(tokens) - 1, before)
+            source = st.source or self.proposer.name
         self._record(req.spec_stats, len(it.draft), min(len(tokens) - 1, n_out), n_out, source)
 
     def finish(self, req, reason: str):
-        if self.proposer is not None and reason != "error":
-            self.proposer.finish(req)  # e.g. the suffix proposer keeps finished outputs to draft from
+        st = self.states.pop(req.request_id, None)
+        if self.proposer is not None:
+            # e.g. the suffix proposer keeps finished outputs to draft from (not an errored one's)
+            self.proposer.finish(req, st or DraftState(), reason != "error")
 
     def _record(self, st: SpecStats, proposed: int, accepted: int, emitted: int, source: str):
         st.steps += 1

@@ -37,13 +37,12 @@ class HybridProposer(Proposer):
             return 0.0
         return self.head_s / self.verify_s
 
-    def propose(self, requests, ks):
+    def propose(self, requests, ks, states):
         out: list = [None] * len(requests)
         to_head = []
         cost = self.head_cost()
-        for i, (r, k) in enumerate(zip(requests, ks)):
-            tokens, score = self.suffix.draft(r, k)
-            st = r.spec_state
+        for i, (r, k, st) in enumerate(zip(requests, ks, states)):
+            tokens, score = self.suffix.draft(r, st, k)
             expect = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
             seeded = r.params.seed is not None and not r.params.greedy
             if (1 + expect) / (1 + (0.0 if seeded else cost)) > 1 + (score if tokens else 0.0):
@@ -55,10 +54,10 @@ class HybridProposer(Proposer):
         if to_head:
             # only steady-state calls are timed: a head catching up on a long stretch (a prompt, a run of suffix
             # drafts) pays that once, and one such sample must not lock the head out for good
-            steady = all(requests[i].pending_feats is None or requests[i].pending_feats.shape[0] <= ks[i] + 1
-                         for i in to_head)
+            steady = all(states[i].features is None or states[i].features.shape[0] <= ks[i] + 1 for i in to_head)
             t0 = time.perf_counter()
-            drafts = self.head.propose([requests[i] for i in to_head], [min(ks[i], self.head_tokens) for i in to_head])
+            drafts = self.head.propose([requests[i] for i in to_head], [min(ks[i], self.head_tokens) for i in to_head],
+                                       [states[i] for i in to_head])
             if steady:
                 self.head_s = _mean(self.head_s, time.perf_counter() - t0)
             for i, d in zip(to_head, drafts):
@@ -68,16 +67,16 @@ class HybridProposer(Proposer):
     def after_step(self, seconds: float):
         self.verify_s = _mean(self.verify_s, seconds)
 
-    def after_verify(self, req, num_proposed, num_accepted, tokens_before):
-        st = req.spec_state
+    def after_verify(self, req, st, num_proposed, num_accepted, tokens_before):
         if st.source != self.head.name:
             return
-        self.head.after_verify(req, num_proposed, num_accepted, tokens_before)
+        self.head.after_verify(req, st, num_proposed, num_accepted, tokens_before)
         prev = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
         st.head_accepted = HEAD_DECAY * prev + (1 - HEAD_DECAY) * num_accepted
 
-    def finish(self, req):
-        self.suffix.finish(req)
+    def finish(self, req, st, completed):
+        self.head.finish(req, st, completed)
+        self.suffix.finish(req, st, completed)
 
     def forget(self):
         self.suffix.forget()

@@ -4,7 +4,7 @@ GLM-5) as an EAGLE-style draft head whose feature is the target's last hidden st
 It runs through DraftHeadProposer's path unchanged (draft-extend over the target features of the verified tokens,
 chained steps feeding its own hidden state back, rollback by re-extending after verify); only the forward differs:
 no fusion layer, the whole target vocabulary, and an MLA latent + index-key cache of its own in a pool that shares
-the target's block tables.
+the target's block tables (or, over UlaCache, in blocks of its own).
 """
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ class _HeadView:
 class MtpProposer(DraftHeadProposer):
     name = "mtp"
 
-    def __init__(self, mtp, target, num_blocks: int, block_size: int, dtype, device, plugins=None,
+    def __init__(self, mtp, target, num_blocks: int | None, block_size: int, dtype, device, plugins=None,
                  embed_weight: torch.Tensor | None = None):
         self.mtp, self.target, self.block_size, self.device = mtp, target, block_size, device
         self.vocab = target.cfg.vocab_size
@@ -117,9 +117,14 @@ class MtpProposer(DraftHeadProposer):
         if self.head_weight.shape[0] != self.vocab:
             raise ValueError("draft 'mtp': this checkpoint's MTP layer shares the main LM head, which is split over "
                              "the tensor-parallel ranks; run MTP drafting at tp=1")
-        slots = num_blocks * block_size
-        self.caches = tuple(torch.zeros(slots, *shape, dtype=dtype, device=device)
-                            for shape in mtp.kv_cache_shapes()[0])
+        self.caches = tuple(torch.zeros(0, *shape, dtype=dtype, device=device) for shape in mtp.kv_cache_shapes()[0])
+        self._init_blocks(num_blocks)
+
+    def _grow(self, slots: int):
+        self.caches = tuple(torch.cat([c, c.new_zeros(slots, *c.shape[1:])]) for c in self.caches)
+
+    def _num_slots(self) -> int:
+        return self.caches[0].shape[0]
 
     @torch.inference_mode()
     def _forward(self, kind, hidden, tokens, positions, q_lens, ctx_lens, tables):

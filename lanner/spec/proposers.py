@@ -1,6 +1,7 @@
-"""Draft proposers: `propose(requests, ks) -> [(draft tokens, draft probabilities [k, V] or None)]`.
+"""Draft proposers: `propose(requests, ks, states) -> [(draft tokens, draft probabilities [k, V] or None)]`.
 
-`ks[i]` is the most tokens request i may receive (it can get fewer: an n-gram miss proposes nothing).
+`ks[i]` is the most tokens request i may receive (it can get fewer: an n-gram miss proposes nothing); `states[i]`
+is its DraftState (lanner.spec.decoder), the proposer's per-request progress.
 Proposers with probabilities draw their drafts from q = the draft model's distribution after the request's
 temperature / top-k / top-p, which is what lossless rejection sampling needs.
 """
@@ -20,17 +21,17 @@ from lanner.plugins import Step, StepKind
 class Proposer:
     name = "base"
 
-    def propose(self, requests, ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def propose(self, requests, ks: list[int], states) -> list[tuple[list[int], torch.Tensor | None]]:
         raise NotImplementedError
 
-    def after_verify(self, req, num_proposed: int, num_accepted: int, tokens_before: int):
+    def after_verify(self, req, st, num_proposed: int, num_accepted: int, tokens_before: int):
         """Called once the target verified; lets stateful proposers roll their KV back."""
 
     def after_step(self, seconds: float):
         """Called after each forward that verified drafts, with its wall time (cost-aware proposers)."""
 
-    def finish(self, req):
-        """Called when a request finishes or is aborted (not on errors)."""
+    def finish(self, req, st, completed: bool):
+        """Called when a request ends (completed: finished or aborted, not failed) with its last DraftState."""
 
     def forget(self):
         """Drops what was learned across requests (benchmarks: one measurement must not draft from the outputs of
@@ -45,7 +46,7 @@ class NgramProposer(Proposer):
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, requests, ks):
+    def propose(self, requests, ks, states):
         return [(self.lookup(r.all_ids, k), None) for r, k in zip(requests, ks)]
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
@@ -69,9 +70,9 @@ class DraftModelProposer(Proposer):
     def __init__(self, model, num_blocks: int, block_size: int, dtype, device, plugins=None):
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, plugins=plugins, role="draft")
 
-    def propose(self, requests, ks):
+    def propose(self, requests, ks, states):
         # draft-extend: bring the draft's KV up to the last verified token; its last row predicts d_1
-        chunks = [SeqChunk(r.all_ids[r.draft_computed :], r.draft_computed, r.block_table) for r in requests]
+        chunks = [SeqChunk(r.all_ids[st.computed :], st.computed, r.block_table) for r, st in zip(requests, states)]
         logits = self.runner.run(chunks, StepKind.DRAFT_EXTEND)
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
@@ -93,27 +94,62 @@ class DraftModelProposer(Proposer):
                                                  requests[i].block_table) for i in active], StepKind.DRAFT)
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
-    def after_verify(self, req, num_proposed, num_accepted, tokens_before):
+    def after_verify(self, req, st, num_proposed, num_accepted, tokens_before):
         # KV is valid up to the last draft the chain fed back in that the target also accepted
-        req.draft_computed = tokens_before + max(0, min(num_accepted, num_proposed - 1))
+        st.computed = tokens_before + max(0, min(num_accepted, num_proposed - 1))
 
 
 class DraftHeadProposer(Proposer):
-    """EAGLE-3-style head over the target's features. Per request it keeps `pending_feats`: target features
-    of positions draft_computed.. that the head has not consumed yet (the engine appends the rows each target
-    forward verified). Draft-extend consumes them; the chain then feeds the head's own hidden state back."""
+    """EAGLE-3-style head over the target's features. Per request its DraftState keeps `features`: target
+    features of positions `computed`.. that the head has not consumed yet (the engine appends the rows each target
+    forward verified). Draft-extend consumes them; the chain then feeds the head's own hidden state back.
+
+    Its KV pool shares the target's block tables (num_blocks: the target's pool size), or, over a KV system
+    without them (num_blocks=None: UlaCache), the head keeps its own blocks per request in a pool that grows."""
     name = "draft-head"
 
-    def __init__(self, head, target, num_blocks: int, block_size: int, dtype, device, plugins=None,
+    def __init__(self, head, target, num_blocks: int | None, block_size: int, dtype, device, plugins=None,
                  embed_weight: torch.Tensor | None = None):
         self.head, self.target, self.block_size, self.device = head, target, block_size, device
         # the whole [vocab, hidden] token embedding: under tensor parallelism the target's is a vocab shard whose
         # lookup is a collective, so the engine passes a gathered copy (the head runs on rank 0 only)
         self.embed_weight = target.embed_tokens.weight if embed_weight is None else embed_weight
         self.plugins = plugins
-        cfg = head.model_cfg
-        self.kv = torch.zeros(2, num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
         self.vocab = target.cfg.vocab_size
+        cfg = head.model_cfg
+        self.kv = torch.zeros(2, 0, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+        self._init_blocks(num_blocks)
+
+    def _init_blocks(self, num_blocks: int | None):
+        self.own_blocks = num_blocks is None
+        self.free_blocks: list[int] = []
+        self._grow((num_blocks or 0) * self.block_size)
+
+    def _grow(self, slots: int):
+        """`slots` more KV slots at the end of the pool (block ids stay valid)."""
+        self.kv = torch.cat([self.kv, self.kv.new_zeros(2, slots, *self.kv.shape[2:])], 1)
+
+    def _num_slots(self) -> int:
+        return self.kv.shape[1]
+
+    def _tables(self, requests, states, upto: list[int]) -> list[list[int]]:
+        """The block tables the head's KV uses, holding at least positions < upto[i]."""
+        if not self.own_blocks:
+            return [r.block_table for r in requests]
+        for st, n in zip(states, upto):
+            need = -(-n // self.block_size) - len(st.blocks)
+            if need > len(self.free_blocks):
+                first = self._num_slots() // self.block_size
+                more = max(need - len(self.free_blocks), first, 16)  # doubling: few copies of the pool
+                self._grow(more * self.block_size)
+                self.free_blocks.extend(range(first + more - 1, first - 1, -1))
+            for _ in range(max(0, need)):
+                st.blocks.append(self.free_blocks.pop())
+        return [st.blocks for st in states]
+
+    def finish(self, req, st, completed):
+        self.free_blocks.extend(st.blocks)
+        st.blocks = []
 
     @torch.inference_mode()
     def _forward(self, kind, hidden, tokens, positions, q_lens, ctx_lens, tables):
@@ -125,25 +161,26 @@ class DraftHeadProposer(Proposer):
         return self.plugins.forward(Step(kind, len(tokens), len(q_lens), "draft_head"), self.head, *args)
 
     @torch.inference_mode()
-    def propose(self, requests, ks):
+    def propose(self, requests, ks, states):
         feats, tokens, positions, q_lens, ctx_lens, last_rows = [], [], [], [], [], []
         t = 0
-        for r in requests:
+        for r, st in zip(requests, states):
             n_tok = r.num_tokens
-            dc = r.draft_computed
+            dc = st.computed
             n = n_tok - 1 - dc  # positions dc..n_tok-2 take (f_p, token p+1)
-            assert r.pending_feats is not None and r.pending_feats.shape[0] == n, "draft features out of sync"
-            feats.append(r.pending_feats)
+            assert st.features is not None and st.features.shape[0] == n, "draft features out of sync"
+            feats.append(st.features)
             tokens.extend(r.all_ids[dc + 1 : n_tok])
             positions.extend(range(dc, n_tok - 1))
             q_lens.append(n)
             ctx_lens.append(n_tok - 1)
             t += n
             last_rows.append(t - 1)
-            r.pending_feats = None
+            st.features = None
+        # the chain's d_j enters at position num_tokens - 2 + j
+        tables = self._tables(requests, states, [r.num_tokens - 1 + k for r, k in zip(requests, ks)])
         hidden = self.head.fuse(torch.cat(feats).to(self.head.fc.weight.dtype))
-        logits, out = self._forward(StepKind.DRAFT_EXTEND, hidden, tokens, positions, q_lens, ctx_lens,
-                                    [r.block_table for r in requests])
+        logits, out = self._forward(StepKind.DRAFT_EXTEND, hidden, tokens, positions, q_lens, ctx_lens, tables)
         rows = torch.tensor(last_rows, device=self.device)
         logits, g = logits[rows].float(), out[rows]
         drafts: list[list[int]] = [[] for _ in requests]
@@ -151,7 +188,7 @@ class DraftHeadProposer(Proposer):
         active = [i for i in range(len(requests)) if ks[i] > 0]
         sel = torch.tensor(active, dtype=torch.long, device=self.device)
         logits, g, j = logits[sel], g[sel], 0
-        chained = self._chain(requests, active, ks, logits, g)
+        chained = self._chain(requests, tables, active, ks, logits, g)
         if chained is not None:
             for i, d in zip(active, chained):
                 drafts[i] = d
@@ -175,11 +212,11 @@ class DraftHeadProposer(Proposer):
             reqs = [requests[i] for i in active]
             pos = [r.num_tokens - 2 + j for r in reqs]  # d_j enters at position num_tokens - 2 + j
             logits, g = self._forward(StepKind.DRAFT, g, [drafts[i][-1] for i in active], pos, [1] * len(active),
-                                      [p + 1 for p in pos], [r.block_table for r in reqs])
+                                      [p + 1 for p in pos], [tables[i] for i in active])
             logits = logits.float()
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
-    def _chain(self, requests, active, ks, logits, g):
+    def _chain(self, requests, tables, active, ks, logits, g):
         """All greedy with one k: a plugin may run the k - 1 chained draft steps in one call (same tokens, no Python
         between steps). Returns the drafts of the active rows, or None to run the chain step by step."""
         k = ks[active[0]] if active else 0
@@ -189,11 +226,11 @@ class DraftHeadProposer(Proposer):
         pos = torch.tensor([requests[i].num_tokens - 1 for i in active], device=self.device)  # where d_1 enters
         rest = self.plugins.draft_chain(Step(StepKind.DRAFT, len(active), len(active), "draft_head"), self.head,
                                         self.embed_weight, g, first, pos, k - 1, self.kv[0], self.kv[1],
-                                        [requests[i].block_table for i in active], self.block_size)
+                                        [tables[i] for i in active], self.block_size)
         if rest is None:
             return None
         return [[int(f)] + r for f, r in zip(first.tolist(), rest.tolist())]
 
-    def after_verify(self, req, num_proposed, num_accepted, tokens_before):
+    def after_verify(self, req, st, num_proposed, num_accepted, tokens_before):
         # chain positions used the head's own hidden states, not the target's: re-extend them with true features
-        req.draft_computed = tokens_before - 1
+        st.computed = tokens_before - 1

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+from lanner.spec.decoder import DraftState
 from lanner.spec.proposers import Proposer
 
 log = logging.getLogger("lanner")
@@ -46,15 +47,6 @@ def scope_of(user: str | None) -> int:
     return int.from_bytes(hashlib.blake2b(user.encode(), digest_size=8).digest(), "little") | 2
 
 
-class SpecState:
-    """What speculation keeps per request (Request.spec_state)."""
-
-    def __init__(self, index):
-        self.index = index  # SuffixIndex over the request's prompt + output
-        self.source: str | None = None  # the proposer that drafted this request's last step
-        self.head_accepted: float | None = None  # hybrid: running mean of the head's accepted tokens per step
-
-
 class SuffixProposer(Proposer):
     name = "suffix"
 
@@ -67,22 +59,21 @@ class SuffixProposer(Proposer):
         self.documents: deque[tuple[list[int], int, int]] = deque()  # (tokens, first counted, scope), oldest first
         self.stored_tokens = 0
 
-    def state(self, req) -> SpecState:
-        """The request's state with its own index brought up to its verified tokens."""
-        st = req.spec_state
-        if st is None:
-            st = req.spec_state = SpecState(self.ext.SuffixIndex(self.depth))
-        n = st.index.length()
+    def index(self, req, st):
+        """The request's own index (DraftState.suffix), brought up to its verified tokens."""
+        if st.suffix is None:
+            st.suffix = self.ext.SuffixIndex(self.depth)
+        n = st.suffix.length()
         if n < req.num_tokens:
-            st.index.extend(req.all_ids[n:])
-        return st
+            st.suffix.extend(req.all_ids[n:])
+        return st.suffix
 
-    def draft(self, req, k: int) -> tuple[list[int], float]:
+    def draft(self, req, st, k: int) -> tuple[list[int], float]:
         """-> (draft tokens, score) for one request: the better of its own index's and the shared index's."""
-        st = self.state(req)
+        index = self.index(req, st)
         if k <= 0:
             return [], 0.0
-        own, _, own_score = st.index.draft_own(k, self.factor, self.min_prob)
+        own, _, own_score = index.draft_own(k, self.factor, self.min_prob)
         if req.params.seed is not None and not req.params.greedy:
             # a seeded sample is a function of its prompt and seed only when its drafts are: other requests'
             # outputs would change them (and with them which random draws the verifier makes)
@@ -91,11 +82,11 @@ class SuffixProposer(Proposer):
         shared, _, shared_score = self.shared.draft(tail, scope_of(req.params.user), k, self.factor, self.min_prob)
         return (shared, shared_score) if shared_score > own_score else (own, own_score)
 
-    def propose(self, requests, ks):
+    def propose(self, requests, ks, states):
         out = []
-        for r, k in zip(requests, ks):
-            tokens, _ = self.draft(r, k)
-            r.spec_state.source = self.name
+        for r, k, st in zip(requests, ks, states):
+            tokens, _ = self.draft(r, st, k)
+            st.source = self.name
             out.append((tokens, None))
         return out
 
@@ -105,10 +96,10 @@ class SuffixProposer(Proposer):
             self.shared.add(old, start, old_scope, -1)
         self.stored_tokens = 0
 
-    def finish(self, req):
+    def finish(self, req, st=None, completed: bool = True):
         """A finished request's output joins the shared index (with `depth` prompt tokens of context before it);
         the oldest outputs leave while the index holds more than shared_tokens tokens."""
-        if not req.output_ids or self.shared_tokens == 0:
+        if not completed or not req.output_ids or self.shared_tokens == 0:
             return
         ctx = req.prompt_ids[-self.depth:]
         doc, scope = ctx + list(req.output_ids), scope_of(req.params.user)
@@ -134,11 +125,12 @@ def step_cost_ms(tokens: list[int], context: int = 8192, new_per_step: int = 4, 
     params = SimpleNamespace(user=None, seed=None, greedy=True)
     finished = SimpleNamespace(prompt_ids=text[:64], output_ids=text[: context // 2], params=params)
     proposer.finish(finished)  # a shared index with content, as in a serving process
-    req = SimpleNamespace(all_ids=text[:context], spec_state=None, params=params, num_tokens=context)
-    proposer.draft(req, k)  # builds the request's index over its prompt (prefill-time work, not per step)
+    req = SimpleNamespace(all_ids=text[:context], params=params, num_tokens=context)
+    st = DraftState()
+    proposer.draft(req, st, k)  # builds the request's index over its prompt (prefill-time work, not per step)
     t0 = time.perf_counter()
     for s in range(context, need, new_per_step):
         req.all_ids.extend(text[s : s + new_per_step])
         req.num_tokens = len(req.all_ids)
-        proposer.draft(req, k)
+        proposer.draft(req, st, k)
     return (time.perf_counter() - t0) / steps * 1000

@@ -160,7 +160,9 @@ class UlaDP(KVBackend):
 
     def fetch(self, rids, addrs, valid, fresh) -> Fetch:
         m = self.store.move(torch.unique(addrs), fresh, unique=True)
-        self._count(int(m.plan.hit.sum()), m.plan.addrs.numel() - torch.unique(fresh).numel())
+        # reads of stored entries only: a new token's address may be resident (a rejected draft's, overwritten now)
+        read = ~torch.isin(m.plan.addrs, fresh)
+        self._count(int((m.plan.hit & read).sum()), int(read.sum()))
         return Fetch(self.store.dev, m.slots_of(addrs), m.slots_of(fresh), m.run, m.finish)
 
 
