@@ -70,6 +70,9 @@ class EngineConfig:
                                      "5 with n-grams)")
     spec_max_tokens: int = option(16, "spec", f"most tokens of a suffix draft (suffix, hybrid; 1..{SPEC_MAX_TOKENS};"
                                   " fewer when the match is shorter)")
+    spec_tree: int = option(0, "spec", f"suffix / hybrid: draft trees of up to this many nodes (1..{SPEC_MAX_TOKENS}; "
+                            "paths of up to spec_max_tokens), verified in one forward under a tree attention mask "
+                            "(the engine's forward: plugins verify chains only); 0: chains")
     # on the 2-core CPU the hybrid on agent sessions gains 1.43x / 1.59x / 1.07x output tok/s at 1 / 2 / 4 running
     # requests and loses at 8 (0.88x): results/bench_spec_batch_hybrid (n-gram on chat: results/bench_spec_batch)
     spec_max_batch: int = option(4, "spec", "speculate only while at most this many requests run")
@@ -146,6 +149,7 @@ class EngineConfig:
                 not 1 <= self.spec_max_tokens <= SPEC_MAX_TOKENS:
             raise ValueError(f"spec_max_tokens: must be an integer in 1..{SPEC_MAX_TOKENS}, "
                              f"got {self.spec_max_tokens!r}")
+        self._check_spec_tree()
         if self.plugin_verify < 0:
             raise ValueError("plugin_verify: must be >= 0")
         if self.plugin_options is not None and not (isinstance(self.plugin_options, dict) and all(
@@ -195,9 +199,25 @@ class EngineConfig:
         if self.sparse_budget < self.sparse_page:
             raise ValueError("sparse_budget: must be at least sparse_page")
 
+    def _check_spec_tree(self):
+        if isinstance(self.spec_tree, bool) or not isinstance(self.spec_tree, int) or \
+                not 0 <= self.spec_tree <= SPEC_MAX_TOKENS:
+            raise ValueError(f"spec_tree: must be an integer in 0..{SPEC_MAX_TOKENS}, got {self.spec_tree!r}")
+        if not self.spec_tree:
+            return
+        if self.spec not in ("suffix", "hybrid"):
+            raise ValueError(f"spec_tree: trees come from the suffix index (spec='suffix' or 'hybrid'), not "
+                             f"spec={self.spec!r}")
+        if self.kv_tier is not None or self.tp != 1:
+            raise ValueError(f"spec_tree: tree verification runs on the paged KV cache at tp=1, not with "
+                             f"{'kv_tier' if self.kv_tier is not None else f'tp={self.tp}'}")
+
     @property
     def draft_limit(self) -> int:
-        """Most draft tokens a request may verify per step: suffix drafts reach spec_max_tokens, others k."""
+        """Most draft tokens a request may verify per step: suffix drafts reach spec_max_tokens (a tree:
+        spec_tree nodes), others k."""
+        if self.spec_tree:
+            return max(self.spec_tree, self.spec_tokens)
         if self.spec == "suffix":
             return self.spec_max_tokens
         if self.spec == "hybrid":

@@ -246,8 +246,9 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def propose_drafts(draft, rollback, items, spec_tokens: int, forced_drafts: bool):
     """Fills draft, draft_probs, num_proposed and masks of each speculating item (lanner.engine.scheduler).
-    draft(requests, ks) -> the proposer's (tokens, probabilities) per request, or None without a proposer;
-    rollback(request, proposed) tells the proposer a whole draft was cut.
+    draft(requests, ks) -> the proposer's (tokens, probabilities[, tree parents]) per request, or None without a
+    proposer; rollback(request, proposed) tells the proposer a whole draft was cut. A constrained request verifies
+    chains only: a tree is cut to its first path (the most likely one in a best-first tree).
 
     A constrained request whose grammar forces tokens from here drafts those and skips the proposer. Other drafts
     come from the proposer (at most spec_tokens), are cut where the grammar rejects them, then extended by what the
@@ -262,8 +263,12 @@ def propose_drafts(draft, rollback, items, spec_tokens: int, forced_drafts: bool
             ask.append(it)
     if ask:
         ks = [min(it.num_spec, spec_tokens) for it in ask]
-        for it, (tokens, probs) in zip(ask, draft([it.request for it in ask], ks)):
+        for it, (tokens, probs, *tree) in zip(ask, draft([it.request for it in ask], ks)):
+            parents = tree[0] if tree else None
+            if parents is not None and it.request.grammar is not None:
+                tokens, parents = first_path(tokens, parents), None
             it.draft, it.draft_probs, it.num_proposed = list(tokens), probs, len(tokens)
+            it.draft_parents = list(parents) if parents is not None else None
     for it in items:
         g = it.request.grammar
         if g is None:
@@ -280,6 +285,16 @@ def propose_drafts(draft, rollback, items, spec_tokens: int, forced_drafts: bool
             it.num_proposed = n
         if not it.draft:
             it.masks = None  # a plain step: the sampler masks its one row
+
+
+def first_path(tokens: list[int], parents: list[int]) -> list[int]:
+    """A tree's path that always takes a node's first child."""
+    path, at = [], -1
+    for i, (tok, parent) in enumerate(zip(tokens, parents)):
+        if parent == at:  # parents come before their children
+            path.append(tok)
+            at = i
+    return path
 
 
 def _extend_forced(g: GrammarState, draft: list[int], probs, limit: int):

@@ -157,15 +157,20 @@ def exact_joint(model, params):
 
 
 @pytest.mark.parametrize("spec,temp,top_p", [("ngram", 1.0, 1.0), ("ngram", 0.7, 0.9), ("draft", 1.0, 1.0),
-                                             ("draft", 0.7, 0.9), ("suffix", 0.7, 0.9)])
+                                             ("draft", 0.7, 0.9), ("suffix", 0.7, 0.9), ("suffix-tree", 0.7, 0.9)])
 def test_sampled_distribution_is_unchanged(tiny, spec, temp, top_p):
-    """Suffix drafts also come from the shared index of earlier outputs (the same prompt, 20,000 times)."""
+    """Suffix drafts also come from the shared index of earlier outputs (the same prompt, 20,000 times); its trees
+    then branch where the outputs did (several candidates per node)."""
     root, target = tiny
     params = SamplingParams(temperature=temp, top_p=top_p, max_tokens=3, ignore_eos=True)
-    llm = LLM(model=str(root / "target"), dtype="float32", skip_tokenizer=True, spec=spec, spec_tokens=3,
-              draft=str(root / "draft") if spec == "draft" else None, max_num_seqs=256, spec_max_batch=256,
-              max_num_batched_tokens=4096, kv_cache_memory="0.05GiB", seed=123)
+    llm = LLM(model=str(root / "target"), dtype="float32", skip_tokenizer=True, spec=spec.removesuffix("-tree"),
+              spec_tokens=3, draft=str(root / "draft") if spec == "draft" else None, max_num_seqs=256,
+              spec_max_batch=256, max_num_batched_tokens=4096, kv_cache_memory="0.05GiB", seed=123,
+              spec_tree=8 if spec == "suffix-tree" else 0)
     n = 20000
+    trees = []  # the draft trees verification saw
+    verify = llm.engine.spec.verify
+    llm.engine.spec.verify = lambda it, logits: trees.append(it.draft_parents) or verify(it, logits)
     outs = llm.generate([PROMPT] * n, params)
     assert all(len(o.token_ids) == 3 for o in outs)
     assert sum(o.metrics["spec_verify_steps"] for o in outs) > n // 4  # drafts really were verified
@@ -177,6 +182,8 @@ def test_sampled_distribution_is_unchanged(tiny, spec, temp, top_p):
     exp = np.append(expected[~small], expected[small].sum())
     assert exp[-1] >= 5 or obs[-1] == 0
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 0.001
+    if spec == "suffix-tree":  # trees from the outputs branch: several candidates per node were verified
+        assert sum(p is not None and len(set(p)) < len(p) for p in trees) > n // 10
 
 
 def test_prefix_cache_holds_only_verified_tokens_and_nothing_leaks(tiny):

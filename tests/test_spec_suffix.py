@@ -3,14 +3,20 @@ errors, and losslessness on the real model (greedy, float32: token-identical to 
 mixed batches of 4 and with prefix-cache hits)."""
 import re
 
+import numpy as np
 import pytest
+import torch
+from scipy.stats import chisquare
 
 from lanner import LLM, SamplingParams
 from lanner.cli import build_parser, engine_kwargs
 from lanner.config import EngineConfig
+from lanner.engine.sampling import processed_probs
 from lanner.spec.decoder import DraftState
 from lanner.spec.hybrid import HybridProposer
 from lanner.spec.suffix import SuffixProposer, extension, scope_of, step_cost_ms
+from lanner.spec.verify import verify_tree
+from lanner.structured import first_path
 
 PROMPTS = [
     "Repeat exactly: red, green, blue, red, green, blue, red, green, blue",
@@ -56,14 +62,65 @@ def test_shared_index_is_scoped_by_user_and_evicts_oldest_first():
     text = list(range(100, 120))
     proposer.finish(Req([1, 2, 3] + text, user="alice", prompt_len=3))
     query = [50, 51] + text[:6]  # the request's own text never saw this continuation
-    assert proposer.draft(Req(query, user="alice"), DraftState(), 8)[0] == text[6:12]  # as long as the 6-token match
-    assert proposer.draft(Req(query, user="bob"), DraftState(), 8)[0] == []  # another user's outputs never draft
-    assert proposer.draft(Req(query), DraftState(), 8)[0] == []
+    assert proposer.draft(Req(query, user="alice"), DraftState(), 8).tokens == text[6:12]  # as long as the 6-token match
+    assert proposer.draft(Req(query, user="bob"), DraftState(), 8).tokens == []  # another user's outputs never draft
+    assert proposer.draft(Req(query), DraftState(), 8).tokens == []
     proposer.finish(Req([4] + list(range(200, 220)), user="bob", prompt_len=1))  # 40 tokens > 30: alice's leaves
-    assert proposer.stored_tokens == 20 and proposer.draft(Req(query, user="alice"), DraftState(), 8)[0] == []
-    assert proposer.draft(Req([9] + list(range(200, 205)), user="bob"), DraftState(), 4)[0] == [205, 206, 207, 208]
+    assert proposer.stored_tokens == 20 and proposer.draft(Req(query, user="alice"), DraftState(), 8).tokens == []
+    assert proposer.draft(Req([9] + list(range(200, 205)), user="bob"), DraftState(), 4).tokens == [205, 206, 207, 208]
     proposer.forget()  # benchmarks between levels: nothing learned across requests is left
-    assert proposer.stored_tokens == 0 and proposer.draft(Req([9] + list(range(200, 205)), user="bob"), DraftState(), 4)[0] == []
+    assert proposer.stored_tokens == 0 and proposer.draft(Req([9] + list(range(200, 205)), user="bob"), DraftState(), 4).tokens == []
+
+
+def test_index_drafts_a_tree_best_first():
+    # after "1 2": 3 (x3) or 4 (x1); after "2 3": 9 (x2) or 5 (x1)
+    index = extension().SuffixIndex(8)
+    index.extend([1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 4, 7, 1, 2, 3, 5, 1, 2])
+    tokens, parents, match, score = index.draft_tree_own(4, 2, 1.0, 0.0)
+    assert match == 2 and tokens[0] == 3 and parents[0] == -1  # the best first: "3" (3 / 4)
+    paths = {tuple(tokens[j] for j in chain(i, parents)) for i in range(len(tokens))}
+    assert paths >= {(3,), (4,), (3, 9)} and len(tokens) == 4 and max(map(len, paths)) <= 2
+    assert score == pytest.approx(sum(probability(p) for p in paths))
+    # a chain is the tree's first path
+    assert first_path(tokens, parents) == index.draft_own(2, 1.0, 0.0)[0] == [3, 9]
+
+
+def chain(i, parents):
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
+
+
+def probability(path):
+    p = {(3,): 3 / 4, (4,): 1 / 4, (3, 9): 3 / 4 * 2 / 3, (3, 5): 3 / 4 * 1 / 3, (4, 7): 1 / 4}
+    return p[path]
+
+
+def test_tree_verification_samples_the_target_distribution():
+    """Sampled tree verify with 3 candidates at the root and 2 under the first: the first emitted token follows
+    p(root row) and the second, after the first candidate was accepted, p(its row) (chi-square, 20,000 draws);
+    greedy follows the argmax path."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 8, generator=g) * 1.5
+    tokens, parents = [2, 5, 1, 3, 0], [-1, -1, -1, 0, 0]  # node 0 (token 2) has children 3 and 0
+    params = SamplingParams(temperature=0.8, top_p=1.0)
+    probs = processed_probs(logits, [params] * 6)
+    firsts, seconds = np.zeros(8), np.zeros(8)
+    for _ in range(20000):
+        out, path = verify_tree(logits, tokens, parents, params, g)
+        assert out[: len(path)] == [tokens[i] for i in path]
+        firsts[out[0]] += 1
+        if path[:1] == [0]:
+            seconds[out[1]] += 1
+    for counts, row in ((firsts, 0), (seconds, 1)):
+        expected = probs[row].double().numpy()
+        assert chisquare(counts, expected / expected.sum() * counts.sum()).pvalue > 0.001
+    greedy = logits.clone()
+    greedy[0, 2], greedy[1, 0] = 99, 99  # the target's argmax: token 2 (node 0), then token 0 (node 4)
+    assert verify_tree(greedy, tokens, parents, SamplingParams(temperature=0), None) == \
+        ([2, 0, int(greedy[5].argmax())], [0, 4])
 
 
 def test_step_cost_is_measured_at_an_8k_context():
@@ -77,10 +134,16 @@ def test_options_are_validated_and_the_cli_passes_them():
             EngineConfig(spec="suffix", spec_max_tokens=bad)
     with pytest.raises(ValueError, match="spec"):
         EngineConfig(spec="tree")
+    for bad in ({"spec_tree": 33}, {"spec_tree": -1}, {"spec_tree": 8, "spec": "ngram"},
+                {"spec_tree": 8, "spec": "suffix", "kv_tier": "ula-dp"}):
+        with pytest.raises(ValueError, match="spec_tree"):
+            EngineConfig(**bad)
+    assert EngineConfig(spec="suffix", spec_tree=12).draft_limit == 12
     assert (EngineConfig().spec, EngineConfig().draft) == ("hybrid", "default")
     assert EngineConfig(spec="suffix", spec_max_tokens=24).draft_limit == 24
-    kw = engine_kwargs(build_parser().parse_args(["generate", "x", "--spec", "suffix", "--spec-max-tokens", "8"]))
-    assert (kw["spec"], kw["spec_max_tokens"]) == ("suffix", 8)
+    kw = engine_kwargs(build_parser().parse_args(["generate", "x", "--spec", "suffix", "--spec-max-tokens", "8",
+                                                  "--spec-tree", "6"]))
+    assert (kw["spec"], kw["spec_max_tokens"], kw["spec_tree"]) == ("suffix", 8, 6)
     with pytest.raises(ValueError, match="user"):
         SamplingParams(user=3)
 
@@ -91,10 +154,15 @@ def plain(llm32):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("spec", ["suffix", "hybrid"])
+@pytest.mark.parametrize("spec", ["suffix", "suffix-tree", "hybrid"])
 def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plain):
-    llm = llm32 if spec == "hybrid" else LLM(dtype="float32", spec="suffix", max_num_seqs=16)
+    llm = llm32 if spec == "hybrid" else LLM(dtype="float32", spec="suffix", max_num_seqs=16,
+                                             spec_tree=12 if spec == "suffix-tree" else 0)
     assert isinstance(llm.engine.proposer, HybridProposer if spec == "hybrid" else SuffixProposer)
+    verified = []  # the trees verification saw: some must branch (the code prompt's "fib(n - 1)" / "fib(n - 2)")
+    if spec == "suffix-tree":
+        verify = llm.engine.spec.verify
+        llm.engine.spec.verify = lambda it, logits: verified.append(it.draft_parents) or verify(it, logits)
     alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
     assert [o.token_ids for o in alone] == plain
     # a mixed batch of 4 (one opts out), the prompts now in the prefix cache and the outputs in the shared index
@@ -110,6 +178,9 @@ def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plai
     # a repetition the suffix index predicts: several tokens per step
     assert batch[0].metrics["spec_accept_length"] > 2.0
     assert llm.engine.kv.block_manager.num_used == 0
+    if spec == "suffix-tree":
+        assert any(parents is not None and len(set(parents)) < len(parents) for parents in verified)
+
     if spec == "hybrid":  # cost-aware: both times are measured as it runs; a head too slow to pay never drafts, a
         p = llm.engine.proposer  # free one drafts where the suffix index has little (fresh prompts for each)
         assert p.verify_s > 0

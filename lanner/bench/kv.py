@@ -40,8 +40,8 @@ def add_arguments(p):
                    help="trace: record a sparse access trace (+ quality); lru: replay a trace through PB-LRU and "
                         "exact LRU; capacity: admitted requests, throughput and TPOT of gpu-only, hisparse, ula-dp "
                         "and ula-tp; engine: --requests long requests through the engine (kv_tier) per system: how "
-                        "many run at once, throughput, TTFT, and whether the outputs agree (with --spec ngram / suffix "
-                        "each system also runs with speculation)")
+                        "many run at once, throughput, TTFT, and whether the outputs agree (with --spec ngram / suffix / "
+                        "draft / hybrid each system also runs with speculation)")
     p.add_argument("--trace", default="results/kv_trace.jsonl", help="access trace to write (trace) or replay (lru)")
     p.add_argument("--json", default=None, help="results JSON (default: results/bench_kv_<what>.json)")
     p.add_argument("--out-dir", default="results")
@@ -243,8 +243,8 @@ def engine_admission(args, engine_kwargs: dict) -> dict:
 
     torch.set_num_threads(args.threads)
     systems = [s for s in (args.systems or ",".join(ENGINE_SYSTEMS)).split(",") if s]
-    # --spec ngram / suffix: each system also runs with those drafts verified over its KV
-    spec = engine_kwargs.get("spec") if engine_kwargs.get("spec") in ("ngram", "suffix") else None
+    # --spec ngram / suffix / draft / hybrid: each system also runs with those drafts verified over its KV
+    spec = engine_kwargs.get("spec") if engine_kwargs.get("spec") not in (None, "none", "auto") else None
     runs = [(system, s) for system in systems for s in ((None, spec) if spec else (None,))]
     params = SamplingParams(temperature=0, max_tokens=args.gen, ignore_eos=True)
     rows, outputs, docs, first = [], {}, None, systems[0]
@@ -252,7 +252,8 @@ def engine_admission(args, engine_kwargs: dict) -> dict:
         name = system + (f"+{spec}" if spec else "")
         llm = LLM(**engine_kwargs | {"kv_tier": system, "kv_device_gb": args.device_gb, "kv_host_gb": args.host_gb,
                                      "sparse_budget": args.budget, "sparse_group": args.group or 10,
-                                     "sparse_page": args.page_size, "max_num_seqs": args.requests, "spec": spec})
+                                     "sparse_page": args.page_size, "max_num_seqs": args.requests, "spec": spec,
+                                     "draft": engine_kwargs.get("draft") if spec else None})
         eng = llm.engine
         if docs is None:
             docs = long_documents(llm.tokenizer, args.doc_tokens, args.docs or 4)

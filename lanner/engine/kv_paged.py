@@ -69,11 +69,26 @@ class PagedKV:
         """One forward over the scheduled tokens and drafts -> float32 logits: every row of a drafted item, the
         last of one that samples, none of a prefill chunk that does not reach its end."""
         chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
-                           it.request.block_table, "all" if it.draft else "last" if it.samples else "none")
+                           it.request.block_table, "all" if it.draft else "last" if it.samples else "none",
+                           it.draft_parents if it.draft else None)
                   for it in items]
         if self.tp is None:
             return self.runner.run(chunks, kind)
         return self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind))
+
+    def keep_path(self, req: Request, first: int, path: list[int]):
+        """After a tree verify whose draft nodes took the slots of positions first..: the accepted nodes' KV moves
+        to the slots of positions first, first + 1, .. (a node's slot index is never below its path position, and
+        the path's nodes come in slot order, so no source is overwritten before it is read)."""
+        moves = [(first + i, first + d) for d, i in enumerate(path) if i != d]
+        if moves:
+            bs, table = self.block_size, req.block_table
+            slot = lambda p: table[p // bs] * bs + p % bs
+            src = torch.tensor([slot(s) for s, _ in moves], device=self.config.device)
+            dst = torch.tensor([slot(d) for _, d in moves], device=self.config.device)
+            for layer in self.runner.kv_caches:
+                for cache in layer:
+                    cache[dst] = cache[src]
 
     def commit(self, req: Request, finishing: bool):
         """After a step: names the verified full blocks (before a finish frees them, so they stay reusable) and

@@ -121,10 +121,12 @@ class LLMEngine:
                     proposer = head(draft_model, self.model, *args, embed_weight=embed)
                 else:
                     proposer = DraftModelProposer(draft_model, *args)
-        if config.spec == "suffix":
-            proposer = SuffixProposer()
-        elif config.spec == "hybrid":
-            proposer = HybridProposer(SuffixProposer(), proposer, config.spec_tokens)
+        if config.spec_tree and self.model_config.family != "llama":  # its forward takes the tree mask as given
+            raise ValueError(f"spec_tree: tree verification covers Llama-family models, not "
+                             f"{self.model_config.architecture}")
+        if config.spec in ("suffix", "hybrid"):
+            suffix = SuffixProposer(max_depth=config.spec_max_tokens if config.spec_tree else 0)
+            proposer = suffix if config.spec == "suffix" else HybridProposer(suffix, proposer, config.spec_tokens)
         self.spec = SpecDecoder(proposer, config, self.metrics, self.max_model_len)
 
     @property
@@ -340,8 +342,8 @@ class LLMEngine:
         for it in items:
             req = it.request
             if feats is not None:  # keep the target features of the verified rows for the draft head
-                n_valid = it.num_tokens + (len(emitted[id(it)]) - 1 if it.draft else 0)
-                self.spec.keep_features(req, feats[offset : offset + n_valid])
+                rows = list(range(it.num_tokens)) + [it.num_tokens + i for i in it.path]
+                self.spec.keep_features(req, feats[[offset + r for r in rows]])
                 offset += it.num_tokens + len(it.draft)
             reason = None
             if it.draft:
@@ -358,6 +360,8 @@ class LLMEngine:
                         break
                 # count what was emitted: a stop inside the accepted chain drops the tokens after it
                 self.spec.verified(req, it, tokens, n_out, before)
+                if it.draft_parents is not None:  # the accepted path's KV moves to its positions' slots
+                    self.kv.keep_path(req, it.start + it.num_tokens, it.path)
             else:
                 req.num_computed += it.num_tokens
                 if it.samples:

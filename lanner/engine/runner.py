@@ -17,6 +17,25 @@ class SeqChunk:
     start: int
     block_table: list[int]
     logits: str = "last"  # "last" | "all" | "none": which rows' logits the caller wants
+    # a draft tree after the first token: each node's parent (-1: the first token). Nodes take consecutive slots;
+    # a node's position is the first token's plus its depth, and it attends to its ancestors only
+    parents: list[int] | None = None
+
+    def positions(self) -> list[int]:
+        if self.parents is None:
+            return list(range(self.start, self.start + len(self.tokens)))
+        depth = [0]
+        for parent in self.parents:
+            depth.append(depth[parent + 1] + 1)
+        return [self.start + d for d in depth]
+
+    def tree_mask(self) -> torch.Tensor:
+        """[n, n] bool: row i may read chunk token j (j is i itself or one of its ancestors)."""
+        n = len(self.tokens)
+        mask = torch.eye(n, dtype=torch.bool)
+        for i, parent in enumerate(self.parents, start=1):
+            mask[i] |= mask[parent + 1]
+        return mask
 
 
 LOGITS = ("last", "all", "none")
@@ -84,7 +103,7 @@ class ModelRunner:
         for c in chunks:
             n = len(c.tokens)
             ids.extend(c.tokens)
-            pos.extend(range(c.start, c.start + n))
+            pos.extend(c.positions())
             q_lens.append(n)
             ctx_lens.append(c.start + n)
             t += n
@@ -94,10 +113,15 @@ class ModelRunner:
                 rows.extend(range(t - n, t))
         dev = self.device
         meta = build_attention_metadata(q_lens, ctx_lens, [c.block_table for c in chunks], self.block_size, dev)
+        trees = [b for b, c in enumerate(chunks) if c.parents is not None]
+        for b in trees:  # the chunk's own columns: ancestors only (the causal mask lets a row read every earlier one)
+            c = chunks[b]
+            n = len(c.tokens)
+            meta.mask[b, 0, :n, c.start : c.start + n] = c.tree_mask().to(dev)
         args = (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv_caches, meta,
                 self.capture_layers)
         step = None
-        if self.plugins is None:
+        if self.plugins is None or trees:  # plugins take positions as consecutive per sequence
             hidden, captured = self.model(*args)
         else:
             if kind is None:

@@ -29,6 +29,8 @@ class ScheduledItem:
     samples: bool = False  # this step reaches the end of the request's tokens, so a new token is sampled
     draft: list[int] = field(default_factory=list)  # filled by the proposer
     draft_probs: object = None  # [len(draft), V] tensor, or None (one-hot drafts)
+    draft_parents: list[int] | None = None  # a draft tree: each node's parent index (-1: the last token); None: chain
+    path: list[int] = field(default_factory=list)  # the draft nodes verification accepted, root to leaf
     num_proposed: int = 0  # how many of the draft tokens the proposer wrote (the rest the grammar forced)
     masks: object = None  # constrained requests: grammar bitmask per verify row (lanner.structured)
     admitted: bool = False  # the KV system (re)admitted the request this step, keeping positions < start

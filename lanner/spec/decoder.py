@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lanner.distributed import tp_disabled
-from lanner.spec.verify import verify_chain
+from lanner.spec.verify import verify_chain, verify_tree
 from lanner.structured import apply_bitmask, propose_drafts
 
 
@@ -42,6 +42,12 @@ class DraftState:
     head_accepted: float | None = None  # hybrid: running mean of the head's accepted tokens per step
 
 
+def draft_room(req) -> int:
+    """Most draft tokens one path may hold: the verify step's last emitted token is the request's last allowed
+    one (the engine admits prompt + max_tokens within the context)."""
+    return req.max_tokens - len(req.output_ids) - 1
+
+
 class SpecDecoder:
     def __init__(self, proposer, config, metrics, max_model_len: int):
         self.proposer, self.config, self.metrics, self.max_model_len = proposer, config, metrics, max_model_len
@@ -56,7 +62,7 @@ class SpecDecoder:
     def tokens(self, req, batch_size: int) -> int:
         """Draft tokens `req` may verify in a step of `batch_size` running requests (the scheduler's question)."""
         p = req.params
-        room = min(req.max_tokens - len(req.output_ids) - 1, self.max_model_len - req.num_tokens - 1)
+        room = draft_room(req)
         if p.unverified_draft:  # data generation: drafts at any batch size
             return min(p.unverified_draft, room)
         if batch_size > self.config.spec_max_batch or not p.speculative:
@@ -66,6 +72,8 @@ class SpecDecoder:
         # constrained requests also draft the tokens their grammar forces (lanner.structured.propose_drafts)
         k = max(self.config.draft_limit if self.proposer is not None else 0,
                 self.config.grammar_draft_tokens if req.grammar is not None else 0)
+        if self.config.spec_tree and req.grammar is None and room > 0:
+            return k  # a tree's paths, not its node count, stay within the room (the proposer cuts them there)
         return min(k, room)
 
     def propose(self, items) -> bool:
@@ -93,12 +101,20 @@ class SpecDecoder:
 
     @staticmethod
     def verify(it, logits: torch.Tensor) -> list[int]:
-        """A drafted item's k + 1 logits rows -> the tokens it emits: the accepted drafts and one more."""
-        if it.request.params.unverified_draft:  # accept all; the target adds one token
+        """A drafted item's k + 1 logits rows -> the tokens it emits: the accepted drafts and one more (it.path:
+        the accepted draft nodes)."""
+        req = it.request
+        if req.params.unverified_draft:  # accept all; the target adds one token
+            it.path = list(range(len(it.draft)))
             return it.draft + [int(logits[-1].argmax())]
+        if it.draft_parents is not None:
+            tokens, it.path = verify_tree(logits, it.draft, it.draft_parents, req.params, req.generator)
+            return tokens
         if it.masks is not None:  # the target verifies under the grammar, row by row
             apply_bitmask(logits, it.masks)
-        return verify_chain(logits, it.draft, it.draft_probs, it.request.params, it.request.generator)
+        tokens = verify_chain(logits, it.draft, it.draft_probs, req.params, req.generator)
+        it.path = list(range(len(tokens) - 1))
+        return tokens
 
     def keep_features(self, req, rows: torch.Tensor):
         """The target's features of the request's newly verified positions (the draft head's input)."""

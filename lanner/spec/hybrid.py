@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+from lanner.spec.decoder import draft_room
 from lanner.spec.proposers import Proposer
 from lanner.spec.suffix import SuffixProposer
 
@@ -42,21 +43,22 @@ class HybridProposer(Proposer):
         to_head = []
         cost = self.head_cost()
         for i, (r, k, st) in enumerate(zip(requests, ks, states)):
-            tokens, score = self.suffix.draft(r, st, k)
+            d = self.suffix.draft(r, st, k)
             expect = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
             seeded = r.params.seed is not None and not r.params.greedy
-            if (1 + expect) / (1 + (0.0 if seeded else cost)) > 1 + (score if tokens else 0.0):
+            if (1 + expect) / (1 + (0.0 if seeded else cost)) > 1 + (d.score if d.tokens else 0.0):
                 st.source = self.head.name
                 to_head.append(i)
             else:  # the suffix draft (possibly empty: a plain decode step is the better bet)
                 st.source = self.suffix.name
-                out[i] = (tokens, None)
+                out[i] = (d.tokens, None, d.parents)
         if to_head:
             # only steady-state calls are timed: a head catching up on a long stretch (a prompt, a run of suffix
             # drafts) pays that once, and one such sample must not lock the head out for good
             steady = all(states[i].features is None or states[i].features.shape[0] <= ks[i] + 1 for i in to_head)
             t0 = time.perf_counter()
-            drafts = self.head.propose([requests[i] for i in to_head], [min(ks[i], self.head_tokens) for i in to_head],
+            drafts = self.head.propose([requests[i] for i in to_head],
+                                       [min(ks[i], self.head_tokens, draft_room(requests[i])) for i in to_head],
                                        [states[i] for i in to_head])
             if steady:
                 self.head_s = _mean(self.head_s, time.perf_counter() - t0)

@@ -19,9 +19,10 @@ import hashlib
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
-from lanner.spec.decoder import DraftState
+from lanner.spec.decoder import DraftState, draft_room
 from lanner.spec.proposers import Proposer
 
 log = logging.getLogger("lanner")
@@ -47,12 +48,20 @@ def scope_of(user: str | None) -> int:
     return int.from_bytes(hashlib.blake2b(user.encode(), digest_size=8).digest(), "little") | 2
 
 
+@dataclass
+class Draft:
+    tokens: list[int]
+    score: float  # expected accepted tokens under the index's frequencies
+    parents: list[int] | None = None  # a tree: each node's parent index (-1: the request's last token)
+
+
 class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, depth: int = 24, factor: float = 1.0, min_prob: float = 0.1,
-                 shared_tokens: int = 1 << 20):
-        self.depth, self.factor, self.min_prob = depth, factor, min_prob
+                 shared_tokens: int = 1 << 20, max_depth: int = 0):
+        """max_depth > 0: draft trees (k nodes per request, paths of up to max_depth tokens); 0: chains of k."""
+        self.depth, self.factor, self.min_prob, self.max_depth = depth, factor, min_prob, max_depth
         self.ext = extension()
         self.shared = self.ext.SuffixIndex(depth)
         self.shared_tokens = shared_tokens
@@ -68,26 +77,36 @@ class SuffixProposer(Proposer):
             st.suffix.extend(req.all_ids[n:])
         return st.suffix
 
-    def draft(self, req, st, k: int) -> tuple[list[int], float]:
-        """-> (draft tokens, score) for one request: the better of its own index's and the shared index's."""
+    def draft(self, req, st, k: int) -> Draft:
+        """The request's draft of up to k tokens (a tree: k nodes, paths of up to max_depth tokens): the better of
+        its own index's and the shared index's."""
         index = self.index(req, st)
         if k <= 0:
-            return [], 0.0
-        own, _, own_score = index.draft_own(k, self.factor, self.min_prob)
+            return Draft([], 0.0)
+        depth = min(self.max_depth, draft_room(req)) if self.max_depth else 0
+        own = self._draft(lambda *a: index.draft_tree_own(*a), lambda *a: index.draft_own(*a), k, depth)
         if req.params.seed is not None and not req.params.greedy:
             # a seeded sample is a function of its prompt and seed only when its drafts are: other requests'
             # outputs would change them (and with them which random draws the verifier makes)
-            return own, own_score
-        tail = req.all_ids[-self.depth:]
-        shared, _, shared_score = self.shared.draft(tail, scope_of(req.params.user), k, self.factor, self.min_prob)
-        return (shared, shared_score) if shared_score > own_score else (own, own_score)
+            return own
+        tail, scope = req.all_ids[-self.depth:], scope_of(req.params.user)
+        shared = self._draft(lambda *a: self.shared.draft_tree(tail, scope, *a),
+                             lambda *a: self.shared.draft(tail, scope, *a), k, depth)
+        return shared if shared.score > own.score else own
+
+    def _draft(self, tree, chain, k: int, depth: int) -> Draft:
+        if self.max_depth:
+            tokens, parents, _, score = tree(k, depth, self.factor, self.min_prob)
+            return Draft(tokens, score, parents)
+        tokens, _, score = chain(k, self.factor, self.min_prob)
+        return Draft(tokens, score)
 
     def propose(self, requests, ks, states):
         out = []
         for r, k, st in zip(requests, ks, states):
-            tokens, _ = self.draft(r, st, k)
+            d = self.draft(r, st, k)
             st.source = self.name
-            out.append((tokens, None))
+            out.append((d.tokens, None, d.parents))
         return out
 
     def forget(self):

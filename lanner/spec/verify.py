@@ -1,4 +1,4 @@
-"""Lossless verification of chain drafts.
+"""Lossless verification of drafts: chains, and trees of one-hot candidates (verify_tree).
 
 Greedy: accept while the draft equals the target's argmax, then emit the target's token. Sampling: accept
 draft d with probability min(1, p(d) / q(d)); on rejection draw from normalize(max(p - q, 0)); if all k are
@@ -47,3 +47,40 @@ def verify_chain(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tens
         return out
     out.append(int(sample_from_probs(p[k][None], [generator])[0]))
     return out
+
+
+def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], params,
+                generator) -> tuple[list[int], list[int]]:
+    """A draft tree of one-hot candidates: logits [n+1, V] rows for (last token, node 0..n-1); parents[i] is node
+    i's parent (-1: the last token), siblings carry distinct tokens. -> (emitted tokens, accepted nodes).
+
+    From the root, a node's children are its candidates. Greedy: follow the child equal to the target's argmax.
+    Sampling (SpecInfer / EAGLE-2 style, one-hot drafts): try the children in order; accept one with probability
+    p(token) / (the mass p has left), else remove its token from p; when all are rejected draw from what is left.
+    Each emitted token is so distributed as p, exactly: a rejection sampler without replacement."""
+    children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # row -> its child nodes
+    for i, parent in enumerate(parents):
+        children[parent + 1].append(i)
+    out, path, row = [], [], 0
+    if params.greedy:
+        target = logits.argmax(-1).tolist()
+        while True:
+            nxt = next((c for c in children[row] if tokens[c] == target[row]), None)
+            if nxt is None:
+                return out + [target[row]], path
+            out.append(tokens[nxt])
+            path.append(nxt)
+            row = nxt + 1
+    probs = processed_probs(logits.float(), [params] * logits.shape[0])
+    while True:
+        p = probs[row].clone()
+        for c in children[row]:
+            left = float(p.sum())
+            if float(torch.rand(1, generator=generator)) * left < float(p[tokens[c]]):
+                break
+            p[tokens[c]] = 0.0
+        else:  # every candidate rejected (or none): draw from the mass left
+            return out + [int(sample_from_probs((p / p.sum())[None], [generator])[0])], path
+        out.append(tokens[c])
+        path.append(c)
+        row = c + 1

@@ -142,10 +142,10 @@ class LowLatPlugin(Plugin):
         """Compiles (first use on this machine, ~20-60 s) or loads the C++ extension. In check(), so that a
         machine without a working C++ toolchain is a mismatch ("auto" mode skips the plugin) rather than an
         engine that fails after loading the weights."""
-        from lanner.plugins.lowlat import _ext
+        from lanner.plugins.lowlat._ext import load
 
         try:
-            return _ext.load()  # cached in lanner.plugins.lowlat._ext (not kept here: the engine walks attributes)
+            return load()  # cached in lanner.plugins.lowlat._ext (not kept here: the engine walks attributes)
         except Exception as e:
             raise PluginMismatch(f"lowlat: the C++ extension did not build ({type(e).__name__}: "
                                  f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); it needs g++ "

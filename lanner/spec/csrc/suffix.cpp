@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <queue>
 #include <stdexcept>
 #include <tuple>
 #include <unordered_map>
@@ -63,6 +64,15 @@ class SuffixIndex {
     return draft(std::vector<int64_t>(text_.begin() + from, text_.end()), 0, max_tokens, factor, min_prob);
   }
 
+  // draft_tree() for the tail of the kept text (a request's own index)
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t, double> draft_tree_own(
+      int64_t max_nodes, int64_t max_depth, double factor, double min_prob) const {
+    const int64_t n = static_cast<int64_t>(text_.size());
+    const int64_t from = std::max<int64_t>(0, n - depth_);
+    return draft_tree(std::vector<int64_t>(text_.begin() + from, text_.end()), 0, max_nodes, max_depth, factor,
+                      min_prob);
+  }
+
   // Counts token ids[i] after each of its contexts ids[i-n..i-1], n = 1..depth, for i in [start, n).
   // Contexts reach back before start. delta = +1 adds, -1 removes.
   void update(const int64_t* ids, int64_t n, int64_t start, uint64_t scope, int32_t delta) {
@@ -84,17 +94,7 @@ class SuffixIndex {
                                                            int64_t max_tokens, double factor,
                                                            double min_prob) const {
     std::vector<int64_t> out;
-    const int64_t n = static_cast<int64_t>(ctx.size());
-    int64_t match = 0;
-    const Node* node = nullptr;
-    uint64_t h = scope;
-    for (int64_t j = n - 1; j >= 0 && n - j <= depth_; --j) {
-      h = mix(h, ctx[j]);
-      auto it = nodes_.find(h);
-      if (it == nodes_.end() || it->second.total <= 0) break;
-      node = &it->second;
-      match = n - j;
-    }
+    auto [node, match] = longest_match(ctx, scope);
     if (node == nullptr) return {out, 0, 0.0};
     const int64_t limit = std::min<int64_t>(max_tokens, static_cast<int64_t>(factor * match + 1e-9));
     std::vector<int64_t> path(ctx.end() - match, ctx.end());
@@ -120,9 +120,75 @@ class SuffixIndex {
     return {out, match, score};
   }
 
+  // A tree of continuations of the tail of `ctx` (SuffixDecoding's best-first expansion): from the longest
+  // matching context, repeatedly add the candidate whose running probability (product of count / total along
+  // its path) is highest, and offer its continuations as new candidates, until max_nodes nodes are taken or no
+  // candidate reaches min_prob. Paths are at most min(max_depth, factor * match length) tokens. Returns (tokens,
+  // parents: the index of each node's parent, -1 for a child of the tail; a parent comes before its children,
+  // match length, score = expected accepted tokens under the frequencies = sum of the nodes' probabilities).
+  std::tuple<std::vector<int64_t>, std::vector<int64_t>, int64_t, double> draft_tree(
+      const std::vector<int64_t>& ctx, uint64_t scope, int64_t max_nodes, int64_t max_depth, double factor,
+      double min_prob) const {
+    std::vector<int64_t> tokens, parents;
+    const auto [root, match] = longest_match(ctx, scope);
+    if (root == nullptr) return {tokens, parents, 0, 0.0};
+    const int64_t limit = std::min<int64_t>(max_depth, static_cast<int64_t>(factor * match + 1e-9));
+    // each taken node's context tail (its last <= depth tokens), to find its continuations
+    std::vector<std::vector<int64_t>> tails;
+    struct Candidate {
+      double prob;
+      int64_t parent, token, depth;
+      bool operator<(const Candidate& o) const { return prob < o.prob; }
+    };
+    std::priority_queue<Candidate> heap;
+    auto offer = [&](const Node* node, double prob, int64_t parent, int64_t depth) {
+      if (node == nullptr || depth >= limit) return;
+      for (const auto& [tok, count] : node->next) {
+        const double p = prob * count / node->total;
+        if (count > 0 && p >= min_prob) heap.push({p, parent, tok, depth + 1});
+      }
+    };
+    offer(root, 1.0, -1, 0);
+    std::vector<int64_t> start(ctx.end() - match, ctx.end());
+    double score = 0.0;
+    while (!heap.empty() && static_cast<int64_t>(tokens.size()) < max_nodes) {
+      const Candidate c = heap.top();
+      heap.pop();
+      std::vector<int64_t> tail = c.parent < 0 ? start : tails[c.parent];
+      tail.push_back(c.token);
+      if (static_cast<int64_t>(tail.size()) > depth_) tail.erase(tail.begin());
+      const int64_t index = static_cast<int64_t>(tokens.size());
+      tokens.push_back(c.token);
+      parents.push_back(c.parent);
+      score += c.prob;
+      uint64_t g = scope;
+      for (auto t = tail.rbegin(); t != tail.rend(); ++t) g = mix(g, *t);
+      auto it = nodes_.find(g);
+      offer(it != nodes_.end() && it->second.total > 0 ? &it->second : nullptr, c.prob, index, c.depth);
+      tails.push_back(std::move(tail));
+    }
+    return {tokens, parents, match, score};
+  }
+
   int64_t size() const { return static_cast<int64_t>(nodes_.size()); }
 
  private:
+  // The node of the longest context (<= depth tokens) of ctx's tail that occurs, and its length (nullptr, 0: none).
+  std::pair<const Node*, int64_t> longest_match(const std::vector<int64_t>& ctx, uint64_t scope) const {
+    const int64_t n = static_cast<int64_t>(ctx.size());
+    int64_t match = 0;
+    const Node* node = nullptr;
+    uint64_t h = scope;
+    for (int64_t j = n - 1; j >= 0 && n - j <= depth_; --j) {
+      h = mix(h, ctx[j]);
+      auto it = nodes_.find(h);
+      if (it == nodes_.end() || it->second.total <= 0) break;
+      node = &it->second;
+      match = n - j;
+    }
+    return {node, match};
+  }
+
   void bump(uint64_t h, int32_t token, int32_t delta) {
     if (delta > 0) {
       Node& node = nodes_[h];
@@ -166,5 +232,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("length", &SuffixIndex::length)
       .def("draft", &SuffixIndex::draft)
       .def("draft_own", &SuffixIndex::draft_own)
+      .def("draft_tree", &SuffixIndex::draft_tree)
+      .def("draft_tree_own", &SuffixIndex::draft_tree_own)
       .def("size", &SuffixIndex::size);
 }
