@@ -206,3 +206,14 @@ def test_bench_fixed(llm, tmp_path):
         assert r["output_tok_s"] > 0 and r["speed_p50_tok_s"] > 0 and r["ttft_p90_s"] > 0
     assert "comparison" not in data
     assert (tmp_path / "fixed.png").stat().st_size > 0
+
+
+def test_spec_systems_name_trees():
+    got = dict(compare.systems({"spec": "auto", "spec_tree": 0}, None, "none,suffix,suffix-tree,hybrid-tree"))
+    assert (got["none"]["spec"], got["none"]["spec_tree"]) == (None, 0)
+    assert (got["suffix"]["spec"], got["suffix"]["spec_tree"]) == ("suffix", 0)
+    assert (got["suffix-tree"]["spec"], got["suffix-tree"]["spec_tree"]) == ("suffix", 12)
+    assert got["hybrid-tree"]["draft"] == "default" and got["hybrid-tree"]["spec_tree"] == 12
+    assert dict(compare.systems({"spec_tree": 20}, None, "suffix-tree"))["suffix-tree"]["spec_tree"] == 20
+    with pytest.raises(SystemExit, match="spec_tree"):
+        compare.systems({"spec_tree": 40}, None, "suffix-tree")

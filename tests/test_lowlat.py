@@ -61,6 +61,26 @@ def test_float32_greedy_matches_own_forward(llm32_lowlat):
     assert 0 < llm.engine.plugin_bytes < 16 * 2**20
 
 
+def test_draft_tree_verify_matches_own_forward():
+    """spec_tree: lowlat runs the tree VERIFY steps (a row reads its tree ancestors, at its depth's position), each
+    checked against the engine's own forward under the tree mask (plugin_verify: 1e-4); greedy output equals
+    plain decoding, and trees that branch were verified."""
+    llm = LLM(dtype="float32", plugin="lowlat", plugin_verify=1000, spec="suffix", spec_tree=12,
+              kv_cache_memory="0.25GiB")
+    prompts = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n# Now a loop version:\n"]
+    trees = []
+    verify = llm.engine.spec.verify
+    llm.engine.spec.verify = lambda it, logits: trees.append(it.draft_parents) or verify(it, logits)
+    got = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
+    counts = dict(llm.engine.plugins.counts)
+    with own_forward(llm):
+        plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=False)
+        assert got == [llm.generate(p, plain)[0].token_ids for p in prompts]
+    assert any(p is not None and len(set(p)) < len(p) for p in trees)
+    assert counts.get(("lowlat", "verify"), 0) > 5 and ("none", "verify") not in counts, counts
+    assert not llm.engine.plugins.disabled
+
+
 def test_bf16_within_verify_tolerance():
     """plugin_verify on every step of a short bf16 generation (3e-2 relative max on the hidden and the logits).
     Deterministic (fixed prompts; lowlat's results do not depend on the thread count). Over many steps the error

@@ -37,8 +37,9 @@ def add_arguments(p, name: str, concurrency: str):
                         "after the first is freed, and report the ratios of the two")
     p.add_argument("--systems", default=None, metavar="SPEC[,SPEC...]",
                    help="speculation systems to run one after the other, each in its own engine, with ratios "
-                        "against the first: none (plain), ngram, suffix, draft, hybrid (e.g. "
-                        "'none,ngram,suffix,draft,hybrid'); 'draft' and 'hybrid' use --draft or the shipped head")
+                        "against the first: none (plain), ngram, suffix, draft, hybrid, suffix-tree, hybrid-tree "
+                        "(e.g. 'none,ngram,suffix,draft,hybrid'); 'draft' and 'hybrid' use --draft or the shipped "
+                        "head; '-tree': draft trees of --spec-tree nodes (default 12)")
     p.add_argument("--json", default=None, help=f"result file (default: OUT_DIR/{name}.json)")
     p.add_argument("--png", default=None, help="chart file (default: the --json path with .png)")
     p.add_argument("--out-dir", default="results", help="folder for the result files when --json is not given")
@@ -122,9 +123,10 @@ def systems(engine_options: dict, compare: str | None, spec_systems: str | None 
             sys.exit("lanner: error: --systems and --compare: give one of them")
         out = []
         for name in (n.strip() for n in spec_systems.split(",")):
-            spec = None if name == "none" else name
+            spec = None if name == "none" else name.removesuffix("-tree")
             draft = (engine_options.get("draft") or "default") if spec in ("draft", "hybrid") else None
-            options = engine_options | {"spec": spec, "draft": draft}
+            tree = (engine_options.get("spec_tree") or 12) if name.endswith("-tree") else 0
+            options = engine_options | {"spec": spec, "draft": draft, "spec_tree": tree}
             try:
                 EngineConfig(**options)
             except ValueError as e:

@@ -114,19 +114,22 @@ class ModelRunner:
         dev = self.device
         meta = build_attention_metadata(q_lens, ctx_lens, [c.block_table for c in chunks], self.block_size, dev)
         trees = [b for b, c in enumerate(chunks) if c.parents is not None]
-        for b in trees:  # the chunk's own columns: ancestors only (the causal mask lets a row read every earlier one)
-            c = chunks[b]
-            n = len(c.tokens)
-            meta.mask[b, 0, :n, c.start : c.start + n] = c.tree_mask().to(dev)
+        if trees:  # a tree chunk's own columns: ancestors only (the causal mask lets a row read every earlier one)
+            meta.tree = [[] for _ in chunks]
+            for b in trees:
+                c = chunks[b]
+                n, reads = len(c.tokens), c.tree_mask()
+                meta.mask[b, 0, :n, c.start : c.start + n] = reads.to(dev)
+                meta.tree[b] = (reads.long() << torch.arange(n)).sum(1).tolist()
         args = (torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), self.kv_caches, meta,
                 self.capture_layers)
         step = None
-        if self.plugins is None or trees:  # plugins take positions as consecutive per sequence
+        if self.plugins is None:
             hidden, captured = self.model(*args)
         else:
             if kind is None:
                 kind = StepKind.PREFILL if any(len(c.tokens) > 1 for c in chunks) else StepKind.DECODE
-            step = Step(kind, t, len(chunks), self.role)
+            step = Step(kind, t, len(chunks), self.role, tree=bool(trees))
             hidden, captured = self.plugins.forward(step, self.model, *args)
         self.features = torch.cat(captured, dim=-1) if captured else None
         if not rows:

@@ -30,6 +30,9 @@ class AttentionMetadata:
     block_size: int = 0
     # None: dense attention over the paged cache; else where this step's attention reads and writes
     backend: AttentionBackend | None = None
+    # draft trees (lanner.engine.runner.SeqChunk.parents), for kernels: per sequence [] or a bit mask per row of
+    # the step's rows it reads (itself and its ancestors; `mask` holds the same)
+    tree: list[list[int]] | None = None
 
 
 class AttentionBackend:

@@ -155,7 +155,7 @@ class PluginRuntime:
         self.last = None
         for plugin in self.active:
             try:
-                if not plugin.covers(step):
+                if not plugin.covers(step) or (step.tree and not plugin.tree_verify):
                     continue
                 out, error = plugin.forward(step, module, *args), None
             except Exception as e:

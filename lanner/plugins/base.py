@@ -40,6 +40,7 @@ class Step:
     num_tokens: int  # rows in this forward
     batch_size: int  # sequences in this forward
     model: str = "target"  # "target" | "draft" (a draft model) | "draft_head"
+    tree: bool = False  # a draft tree's rows (AttentionMetadata.tree): only plugins with tree_verify get the step
 
 
 @dataclass(frozen=True)
@@ -111,6 +112,9 @@ class Plugin:
 
     def build(self, model, model_config, hardware: Hardware) -> None:
         """Prepare weights/resources; keep them as attributes so the engine can account for their memory."""
+
+    # whether forward honours AttentionMetadata.tree (rows that read their tree ancestors, at depth positions)
+    tree_verify = False
 
     def covers(self, step: Step) -> bool:
         return False

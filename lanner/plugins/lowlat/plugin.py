@@ -223,6 +223,8 @@ class LowLatPlugin(Plugin):
         log.info("lowlat: tensor parallel rank %d of %d, all-reduce through %s, wait limit %.3g s", rank, P,
                  "a shared memory segment" if segment is not None else "the process group", timeout)
 
+    tree_verify = True
+
     def covers(self, step: Step) -> bool:
         if self._kernel is None or step.batch_size > self.max_batch:
             return False
@@ -243,7 +245,7 @@ class LowLatPlugin(Plugin):
             raise RuntimeError("lowlat: AttentionMetadata carries no q_lens/ctx_lens/block_tables")
         with self._lock:
             out = kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
-                                 meta.block_size, list(capture_layers))
+                                 meta.block_size, list(capture_layers), meta.tree or [])
         self._check_aborted(kernel)
         return out
 

@@ -505,6 +505,7 @@ struct Model {
   // batch invariance: a row's attention arithmetic depends only on its own context length (PyTorch's flash
   // attention, which the default path mirrors, switches exp variants at the padded batch's length)
   bool invariant = false;
+  std::vector<std::vector<int64_t>> tree_;  // forward()'s draft-tree rows per sequence (see attend)
   // per-phase seconds seen by thread 0 (profile = true): GEMV, attention, barrier waits, the rest (norms, RoPE,
   // KV writes, residuals, embedding), the stored-type LM head (qlinear); prof_calls: forwards + LM-head calls
   bool profile = false;
@@ -845,10 +846,13 @@ struct Model {
   // rescaled sum and output); fexp_u20 (bf16) / exp_u20 (float32) on the 16-wide part of a block and std::exp
   // on its tail, where the block length is that of the padded batch (kv_len = max ctx over the batch); the sum
   // over float32 exponentials; bf16 models round the exponentials to bf16 for P @ V; output times 1 / sum.
+  // anc: a draft tree's rows (nullptr: causal rows): row i reads the context before the step's first row and, of
+  // the step's rows, those whose bit is set in anc[i] (its ancestors and itself), in that order: the keys, and so
+  // the arithmetic, of a one-row step at its position (the depth) after its path was accepted
   template <typename WT, typename XT>
   void attend(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
               const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h, XT* ain,
-              std::vector<float>& S, std::vector<float>& O) const {
+              std::vector<float>& S, std::vector<float>& O, const int64_t* anc = nullptr) const {
     constexpr int64_t kBlock = 512;
     constexpr bool kBf = std::is_same<WT, bf16_t>::value;
     const int64_t g = h / (H / Hkv), ldq = H * D, nv = D / 16;
@@ -858,8 +862,19 @@ struct Model {
     int64_t lim[kMaxRows];
     float mx[kMaxRows], sum[kMaxRows];
     int64_t maxlim = 0;
+    const int64_t c0 = ctx - nq;  // slot position of the step's first row
+    int8_t path[64][64];  // tree row i's k-th key past the context is step row path[i][k] (a tree has <= 63 rows)
+    if (anc != nullptr)
+      for (int64_t i = 0; i < nq; i++)
+        for (int64_t r = 0, k = 0; r <= i; r++)
+          if ((anc[i] >> r) & 1) path[i][k++] = int8_t(r);
+    // the cache slot of row i's j-th key
+    auto slot = [&](int64_t i, int64_t j) {
+      const int64_t p = anc != nullptr && j >= c0 ? c0 + path[i][j - c0] : j;
+      return bt[p / bs] * bs + p % bs;
+    };
     for (int64_t i = 0; i < nq; i++) {
-      lim[i] = std::min(pos[t0 + i] + 1, ctx);
+      lim[i] = anc != nullptr ? c0 + __builtin_popcountll(uint64_t(anc[i])) : std::min(pos[t0 + i] + 1, ctx);
       maxlim = std::max(maxlim, lim[i]);
       mx[i] = -INFINITY;
       sum[i] = 0.f;
@@ -870,15 +885,18 @@ struct Model {
       const int64_t vec_end = n0 + (std::min(kBlock, kv_len - n0) / 16) * 16;  // exp_u20 below, std::exp above
       // scores of this block: S[i][j - n0]
       for (int64_t j = n0; j < n1; j++) {
-        const WT* kp = kc + ((bt[j / bs] * bs + j % bs) * Hkv + g) * D;
+        const bool shared = anc == nullptr || j < c0;  // every row's j-th key is the same one
+        const WT* kp = shared ? kc + (slot(0, j) * Hkv + g) * D : nullptr;
         __m512 kv[8];
-        for (int64_t v = 0; v < nv && v < 8; v++) kv[v] = load16(kp + v * 16);
+        if (shared)
+          for (int64_t v = 0; v < nv && v < 8; v++) kv[v] = load16(kp + v * 16);
         for (int64_t i = 0; i < nq; i++) {
           if (j >= lim[i]) continue;
           const float* qi = q + (t0 + i) * ldq + h * D;
+          const WT* ki = shared ? kp : kc + (slot(i, j) * Hkv + g) * D;
           __m512 acc = _mm512_setzero_ps();
           for (int64_t v = 0; v < nv; v++)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + v * 16), v < 8 ? kv[v] : load16(kp + v * 16), acc);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + v * 16), shared && v < 8 ? kv[v] : load16(ki + v * 16), acc);
           S[i * kBlock + j - n0] = _mm512_reduce_add_ps(acc) * sc;
         }
       }
@@ -915,15 +933,18 @@ struct Model {
       }
       // P @ V for this block
       for (int64_t j = n0; j < n1; j++) {
-        const WT* vp = vc + ((bt[j / bs] * bs + j % bs) * Hkv + g) * D;
+        const bool shared = anc == nullptr || j < c0;
+        const WT* vp = shared ? vc + (slot(0, j) * Hkv + g) * D : nullptr;
         __m512 vv[8];
-        for (int64_t v = 0; v < nv && v < 8; v++) vv[v] = load16(vp + v * 16);
+        if (shared)
+          for (int64_t v = 0; v < nv && v < 8; v++) vv[v] = load16(vp + v * 16);
         for (int64_t i = 0; i < nq; i++) {
           if (j >= lim[i]) continue;
           const __m512 p = _mm512_set1_ps(S[i * kBlock + j - n0]);
+          const WT* vi = shared ? vp : vc + (slot(i, j) * Hkv + g) * D;
           float* o = O.data() + i * D;
           for (int64_t v = 0; v < nv; v++)
-            _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, v < 8 ? vv[v] : load16(vp + v * 16),
+            _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, shared && v < 8 ? vv[v] : load16(vi + v * 16),
                                                          _mm512_loadu_ps(o + v * 16)));
         }
       }
@@ -1230,7 +1251,8 @@ struct Model {
         // --- attention over the paged cache: items (sequence, q head), round robin
         for (int64_t it = tid; it < B * H; it += nt) {
           const int64_t sb = it / H, h = it % H;
-          attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, bts[sb], bs, kcs[l], vcs[l], h, ain, S, O);
+          attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, bts[sb], bs, kcs[l], vcs[l], h, ain, S, O,
+                         tree_[sb].empty() ? nullptr : tree_[sb].data());
         }
         mark(1);
 #pragma omp barrier
@@ -1299,11 +1321,13 @@ struct Model {
   }
 
   // forward(input_ids, positions, kv (per layer (k_cache, v_cache)), q_lens, ctx_lens, block_tables, block_size,
-  // capture_layers) -> (hidden [T, hidden], [captured [T, hidden]])
+  // capture_layers, tree) -> (hidden [T, hidden], [captured [T, hidden]]). tree: per sequence, empty (causal rows
+  // at consecutive positions) or a draft tree's rows as bit masks of the rows each reads (see attend); its rows
+  // take consecutive slots, their positions are the first row's plus their depth
   std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward(
       torch::Tensor ids, torch::Tensor positions, std::vector<std::vector<torch::Tensor>> kv,
       std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, std::vector<std::vector<int64_t>> bts,
-      int64_t bs, std::vector<int64_t> capture) {
+      int64_t bs, std::vector<int64_t> capture, std::vector<std::vector<int64_t>> tree) {
     g_invariant = invariant;
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.device().is_cpu(),
@@ -1337,6 +1361,8 @@ struct Model {
     TORCH_CHECK(!comm.aborted, "lowlat: an earlier tensor-parallel step was aborted; this kernel is retired");
     for (int64_t t = 0; t < T; t++)
       TORCH_CHECK(idp[t] >= 0 && idp[t] < vocab_total, "lowlat: token id ", idp[t], " out of range");
+    if (tree.empty()) tree.resize(B);
+    TORCH_CHECK((int64_t)tree.size() == B, "lowlat: tree must be empty or have one entry per sequence");
     int64_t t = 0;
     for (int64_t b = 0; b < B; b++) {
       const int64_t ql = q_lens[b], cl = ctx_lens[b];
@@ -1346,12 +1372,20 @@ struct Model {
         TORCH_CHECK(bts[b][blk] >= 0 && (bts[b][blk] + 1) * bs <= nslots, "lowlat: sequence ", b, ": block ",
                     bts[b][blk], " outside the cache");
       row0[b] = t;
+      const bool is_tree = !tree[b].empty();
+      TORCH_CHECK(!is_tree || ((int64_t)tree[b].size() == ql && ql <= 63),
+                  "lowlat: sequence ", b, ": a tree needs one mask per row, at most 63 rows");
       for (int64_t i = 0; i < ql; i++, t++) {
-        TORCH_CHECK(t < T && pos[t] == cl - ql + i, "lowlat: positions do not match q_lens/ctx_lens");
-        slots[t] = bts[b][pos[t] / bs] * bs + pos[t] % bs;
+        const int64_t p = cl - ql + i;  // the row's slot position
+        TORCH_CHECK(t < T && (is_tree ? pos[t] >= cl - ql && pos[t] <= p : pos[t] == p),
+                    "lowlat: positions do not match q_lens/ctx_lens");
+        TORCH_CHECK(!is_tree || ((tree[b][i] >> i) & 1 && tree[b][i] >> (i + 1) == 0),
+                    "lowlat: a tree row reads itself and earlier rows only");
+        slots[t] = bts[b][p / bs] * bs + p % bs;
       }
     }
     TORCH_CHECK(t == T, "lowlat: sum(q_lens) = ", t, " but ", T, " input ids");
+    tree_ = std::move(tree);
     moe_log.clear();
     auto opts = torch::TensorOptions().dtype(wdt);
     torch::Tensor out = torch::empty({T, hidden}, opts);
