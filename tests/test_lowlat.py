@@ -67,7 +67,8 @@ def test_draft_tree_verify_matches_own_forward():
     plain decoding, and trees that branch were verified."""
     llm = LLM(dtype="float32", plugin="lowlat", plugin_verify=1000, spec="suffix", spec_tree=12,
               kv_cache_memory="0.25GiB")
-    prompts = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n# Now a loop version:\n"]
+    prompts = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
+               "# Now a loop version:\n"]
     trees = []
     verify = llm.engine.spec.verify
     llm.engine.spec.verify = lambda it, logits: trees.append(it.draft_parents) or verify(it, logits)

@@ -56,8 +56,8 @@ def test_speculation_is_on_by_default_with_the_shipped_head(llm32, plain_outputs
     # a combination where one field would be ignored is an error naming both, never a silent rewrite
     with pytest.raises(ValueError, match="draft: 'hass' is given but spec='ngram'"):
         EngineConfig(spec="ngram", draft="hass")
-    with pytest.raises(ValueError, match="drop draft or kv_tier"):
-        EngineConfig(kv_tier="ula-dp", draft="hass")
+    with pytest.raises(ValueError, match="spec_tree: .* not with kv_tier"):
+        EngineConfig(kv_tier="ula-dp", spec="suffix", spec_tree=4)
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +68,12 @@ def head_dir(llm32, tmp_path_factory):
 
 
 def check_greedy_lossless(llm, plain_outputs):
-    for k in (1, 3, 6):  # the shortest draft, the default's length, the longest the chain allows
+    for k in (1, 6, 3):  # the shortest draft, the longest the chain allows, the default's length
         llm.engine.config.spec_tokens = k  # read every step, so one engine serves every k
-        alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
-        assert [o.token_ids for o in alone] == plain_outputs, f"k={k} batch 1"
-        assert all(o.metrics["spec_verify_steps"] > 0 for o in alone)
+        if k == 3:  # each prompt alone (CI time: the other lengths run in the batches only)
+            alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
+            assert [o.token_ids for o in alone] == plain_outputs, f"k={k} batch 1"
+            assert all(o.metrics["spec_verify_steps"] > 0 for o in alone)
         for lo in (0, 4):
             mixed = llm.generate(PROMPTS[lo : lo + 4], GREEDY)
             assert [o.token_ids for o in mixed] == plain_outputs[lo : lo + 4], f"k={k} batch of 4"

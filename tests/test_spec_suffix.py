@@ -61,15 +61,19 @@ def test_shared_index_is_scoped_by_user_and_evicts_oldest_first():
     proposer = SuffixProposer(depth=8, shared_tokens=30)
     text = list(range(100, 120))
     proposer.finish(Req([1, 2, 3] + text, user="alice", prompt_len=3))
+
+    def draft(req, k):
+        return proposer.draft(req, DraftState(), k).tokens
+
     query = [50, 51] + text[:6]  # the request's own text never saw this continuation
-    assert proposer.draft(Req(query, user="alice"), DraftState(), 8).tokens == text[6:12]  # as long as the 6-token match
-    assert proposer.draft(Req(query, user="bob"), DraftState(), 8).tokens == []  # another user's outputs never draft
-    assert proposer.draft(Req(query), DraftState(), 8).tokens == []
+    assert draft(Req(query, user="alice"), 8) == text[6:12]  # as long as the 6-token match
+    assert draft(Req(query, user="bob"), 8) == []  # another user's outputs never draft
+    assert draft(Req(query), 8) == []
     proposer.finish(Req([4] + list(range(200, 220)), user="bob", prompt_len=1))  # 40 tokens > 30: alice's leaves
-    assert proposer.stored_tokens == 20 and proposer.draft(Req(query, user="alice"), DraftState(), 8).tokens == []
-    assert proposer.draft(Req([9] + list(range(200, 205)), user="bob"), DraftState(), 4).tokens == [205, 206, 207, 208]
+    assert proposer.stored_tokens == 20 and draft(Req(query, user="alice"), 8) == []
+    assert draft(Req([9] + list(range(200, 205)), user="bob"), 4) == [205, 206, 207, 208]
     proposer.forget()  # benchmarks between levels: nothing learned across requests is left
-    assert proposer.stored_tokens == 0 and proposer.draft(Req([9] + list(range(200, 205)), user="bob"), DraftState(), 4).tokens == []
+    assert proposer.stored_tokens == 0 and draft(Req([9] + list(range(200, 205)), user="bob"), 4) == []
 
 
 def test_index_drafts_a_tree_best_first():

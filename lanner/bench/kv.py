@@ -40,8 +40,8 @@ def add_arguments(p):
                    help="trace: record a sparse access trace (+ quality); lru: replay a trace through PB-LRU and "
                         "exact LRU; capacity: admitted requests, throughput and TPOT of gpu-only, hisparse, ula-dp "
                         "and ula-tp; engine: --requests long requests through the engine (kv_tier) per system: how "
-                        "many run at once, throughput, TTFT, and whether the outputs agree (with --spec ngram / suffix / "
-                        "draft / hybrid each system also runs with speculation)")
+                        "many run at once, throughput, TTFT, and whether the outputs agree (with --spec ngram / "
+                        "suffix / draft / hybrid each system also runs with speculation)")
     p.add_argument("--trace", default="results/kv_trace.jsonl", help="access trace to write (trace) or replay (lru)")
     p.add_argument("--json", default=None, help="results JSON (default: results/bench_kv_<what>.json)")
     p.add_argument("--out-dir", default="results")
