@@ -127,7 +127,7 @@ class LLMEngine:
         if config.spec in ("suffix", "hybrid"):
             suffix = SuffixProposer(max_depth=config.spec_max_tokens if config.spec_tree else 0)
             proposer = suffix if config.spec == "suffix" else HybridProposer(suffix, proposer, config.spec_tokens)
-        self.spec = SpecDecoder(proposer, config, self.metrics, self.max_model_len)
+        self.spec = SpecDecoder(proposer, config, self.metrics)
 
     @property
     def proposer(self):
@@ -342,8 +342,11 @@ class LLMEngine:
         for it in items:
             req = it.request
             if feats is not None:  # keep the target features of the verified rows for the draft head
-                rows = list(range(it.num_tokens)) + [it.num_tokens + i for i in it.path]
-                self.spec.keep_features(req, feats[[offset + r for r in rows]])
+                rows = feats[offset : offset + it.num_tokens + len(it.path)]  # a chain's kept rows are a prefix
+                if it.draft_parents is not None:  # a tree's: the scheduled tokens', then the accepted path's
+                    path = offset + it.num_tokens + torch.tensor(it.path, dtype=torch.long, device=feats.device)
+                    rows = torch.cat([feats[offset : offset + it.num_tokens], feats[path]])
+                self.spec.keep_features(req, rows)
                 offset += it.num_tokens + len(it.draft)
             reason = None
             if it.draft:

@@ -49,8 +49,8 @@ def draft_room(req) -> int:
 
 
 class SpecDecoder:
-    def __init__(self, proposer, config, metrics, max_model_len: int):
-        self.proposer, self.config, self.metrics, self.max_model_len = proposer, config, metrics, max_model_len
+    def __init__(self, proposer, config, metrics):
+        self.proposer, self.config, self.metrics = proposer, config, metrics
         self.states: dict[str, DraftState] = {}
 
     def state(self, req) -> DraftState:
