@@ -69,6 +69,60 @@ def test_repack_keeps_every_value(models):
     assert torch.equal(stored.layers[3].mlp.down_proj.weight, dense.layers[3].mlp.down_proj.weight)
 
 
+def _random_k_blocks(name, rows, k, seed):
+    """Random but valid Q4_K / Q6_K rows (gguf-py cannot quantize to K-quants): random codes and integer scales,
+    float16 super-block scales of ordinary size."""
+    rng = np.random.default_rng(seed)
+    nb = k // 256
+    if name == "Q4_K":
+        d = (rng.uniform(0.5, 2, (rows, nb, 2)) * 1e-3).astype(np.float16).view(np.uint8)  # d and dmin
+        rest = rng.integers(0, 256, (rows, nb, 12 + 128), dtype=np.uint8)
+        blocks = np.concatenate([d.reshape(rows, nb, 4), rest], axis=2)
+    else:
+        rest = rng.integers(0, 256, (rows, nb, 208), dtype=np.uint8)
+        d = (rng.uniform(0.5, 2, (rows, nb, 1)) * 1e-3).astype(np.float16).view(np.uint8)
+        blocks = np.concatenate([rest, d], axis=2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_k_quant_repack_keeps_every_value(name):
+    from gguf.quants import dequantize as reference
+
+    qt = gguf.GGMLQuantizationType[name]
+    raw = _random_k_blocks(name, 7, 512, 1)
+    p = quant.repack(raw, name, 512)
+    got = quant.dequantize(p["qs"], p["d"], p.get("m"), 512)
+    assert torch.equal(got, torch.from_numpy(reference(raw, qt).copy()))
+
+
+def _q8_activations(x):
+    """llama.cpp's q8 activation rounding (per block of 32: d = amax / 127 as float16, codes to nearest even), as
+    the float values the integer kernels multiply by."""
+    b = x.double().reshape(x.shape[0], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    codes = torch.round(b * torch.where(amax > 0, 127 / amax, 0))
+    return (codes * (amax / 127).half().double()).reshape(x.shape)
+
+
+@needs_avx512
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_k_quant_kernels(plugins, name):
+    """lowlat's GEMV over K-quant blocks, 1-4 rows per weight pass: float activations within 1e-5 of the float32
+    dequantized matmul, q8 activations within 2e-3 of the exact product with the rounded activations (a wrong
+    sub-block scale is off by tens of percent)."""
+    n, k = 40, 512
+    p = quant.repack(_random_k_blocks(name, n, k, 2), name, k)
+    packed = [p["qs"], p["d"]] + ([p["m"]] if "m" in p else [])
+    w = quant.dequantize(p["qs"], p["d"], p.get("m"), k).double()
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    for act, xr, tol in (("float", x.double(), 1e-5), ("q8", _q8_activations(x), 2e-3)):
+        want = xr @ w.T
+        got = plugins[act]._kernel.qlinear(x, packed, n, True).double()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        assert err <= tol, (act, err)
+
+
 def _step(model, plug, kv, rows):
     """One forward over rows = [(token ids, first position, block table)] -> (hidden, logits)."""
     ids = torch.tensor([t for r in rows for t in r[0]])

@@ -8,8 +8,14 @@ of two SIMD-friendly formats without changing any value (every weight still dequ
   "s8": signed 8-bit codes with a float16 scale per block of 32 (value = d * q): Q8_0 as is, Q5_0 (d * (q - 16))
         widened to 8 bits (qs [N, blocks, 32] int8; 34 instead of 22 bytes per block for Q5_0).
 
-Rows are padded to an even block count (zero codes, zero scales). Scales are kept as raw float16 bits in int16
-buffers, so that `model.to(dtype)` leaves them alone. The engine's own forward (prefill past the plugin's rows,
+  K-quants, whose 256-element super-blocks scale sub-blocks by 6- or 8-bit integers, keep the same code layouts
+  with the sub-block scales multiplied out in float32 (exact: an 11-bit float16 times an integer of at most 8 bits):
+  "u4k": Q4_K: u4 codes (its 32-byte chunks are already in the u4 pair layout), d * sc and -(dmin * m) per block
+        of 32 (value = d' * q + m', the gguf package's d * sc * q - dmin * m with the same single rounding).
+  "s8k": Q6_K: s8 codes q - 32 with d * sc per 16 elements (value = d' * q).
+
+Rows are padded to an even block count (zero codes, zero scales; K-quant rows never need it). Scales are kept as
+raw bits in integer buffers (float16 in int16, float32 in int32), so that `model.to(dtype)` leaves them alone. The engine's own forward (prefill past the plugin's rows,
 other devices) uses these same buffers: `QuantLinear` dequantizes 4096-row tiles on the fly inside its matmul,
 so no second, dense copy of the weights exists. lowlat's C++ kernels read the buffers directly.
 """
@@ -27,7 +33,9 @@ log = logging.getLogger("lanner")
 BLOCK = 32
 TILE_ROWS = 4096  # output rows dequantized at a time by the on-the-fly matmul (bounds its scratch memory)
 # GGUF type name -> (repacked format, GGUF bytes per block)
-STORED_TYPES = {"Q4_0": ("u4", 18), "Q4_1": ("u4", 20), "Q5_0": ("s8", 22), "Q8_0": ("s8", 34)}
+STORED_TYPES = {"Q4_0": ("u4", 18), "Q4_1": ("u4", 20), "Q5_0": ("s8", 22), "Q8_0": ("s8", 34),
+                "Q4_K": ("u4k", 144), "Q6_K": ("s8k", 210)}
+SUPER = 256  # elements per K-quant super-block
 
 
 def _f16_bits(a: np.ndarray) -> np.ndarray:
@@ -38,10 +46,13 @@ def repack(raw: np.ndarray, type_name: str, k: int) -> dict[str, torch.Tensor]:
     """raw: a GGUF tensor's bytes, uint8 [N, bytes per row]; k: the row length in elements. -> {"qs", "d"[, "m"]}
     in the format of STORED_TYPES[type_name] (module docstring)."""
     fmt, bb = STORED_TYPES[type_name]
-    n, nb = raw.shape[0], k // BLOCK
-    if k % BLOCK or raw.shape[1] != nb * bb:
+    per = SUPER if fmt.endswith("k") else BLOCK
+    n, nb = raw.shape[0], k // per
+    if k % per or raw.shape[1] != nb * bb:
         raise ValueError(f"{type_name} tensor of {k} columns holds {raw.shape[1]} bytes per row, expected {nb * bb}")
     blocks = raw.reshape(n, nb, bb)
+    if fmt.endswith("k"):
+        return _repack_k(blocks, type_name)
     d = blocks[:, :, 0:2].copy().view(np.float16)[..., 0]
     nbp = nb + nb % 2
     pad = lambda a: np.concatenate([a, np.zeros((n, nbp - nb) + a.shape[2:], a.dtype)], axis=1) if nbp > nb else a
@@ -67,16 +78,47 @@ def repack(raw: np.ndarray, type_name: str, k: int) -> dict[str, torch.Tensor]:
             "d": torch.from_numpy(_f16_bits(pad(d)))}
 
 
+def _f32_bits(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).view(np.int32))
+
+
+def _repack_k(blocks: np.ndarray, type_name: str) -> dict[str, torch.Tensor]:
+    """K-quant super-blocks [N, S, bytes] -> "u4k" (Q4_K) / "s8k" (Q6_K); byte layouts as the gguf package reads
+    them (gguf.quants.Q4_K / Q6_K)."""
+    from gguf.quants import Q4_K
+
+    n, s = blocks.shape[:2]
+    if type_name == "Q4_K":  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of codes
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(n * s, 12))
+        scale = d * sc.reshape(n, s, 8).astype(np.float32)
+        offset = -(dmin * mn.reshape(n, s, 8).astype(np.float32))
+        qs = blocks[..., 16:144].reshape(n, s * 4, BLOCK)  # chunk j: sub-block 2j in low nibbles, 2j + 1 in high
+        return {"qs": torch.from_numpy(np.ascontiguousarray(qs)), "d": _f32_bits(scale.reshape(n, -1)),
+                "m": _f32_bits(offset.reshape(n, -1))}
+    # Q6_K: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales, d (float16)
+    ql, qh = blocks[..., 0:128].reshape(n, s, 2, 1, 64), blocks[..., 128:192].reshape(n, s, 2, 1, 32)
+    lo = (ql >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15  # [n, s, half, 2, 64]: elements 128 h + 64 i + e
+    hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [n, s, half, 4, 32]: 128 h + 32 i + e
+    codes = (lo.reshape(n, s, 2, 128) | (hi.reshape(n, s, 2, 128) << 4)).astype(np.int8) - 32
+    scale = blocks[..., 208:210].copy().view(np.float16).astype(np.float32) * \
+        blocks[..., 192:208].view(np.int8).astype(np.float32)
+    return {"qs": torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1, BLOCK))),
+            "d": _f32_bits(scale.reshape(n, -1))}
+
+
 def dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed rows -> dense [rows, k]. float32 arithmetic (d * q is exact, so d * q + m rounds once, like the gguf
-    package and lowlat's float-activation kernels), then one rounding to dtype."""
-    n = qs.shape[0]
-    if qs.dtype == torch.uint8:
-        q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(n, -1, BLOCK).float()
-        w = q * d.view(torch.float16).float()[..., None] + m.view(torch.float16).float()[..., None]
-    else:
-        w = qs.float() * d.view(torch.float16).float()[..., None]
+    package and lowlat's float-activation kernels), then one rounding to dtype. Each scale covers the codes of
+    its block (32 elements, 16 for "s8k")."""
+    n, bits = qs.shape[0], torch.float16 if d.dtype == torch.int16 else torch.float32
+    q = torch.stack([qs & 15, qs >> 4], dim=2) if qs.dtype == torch.uint8 else qs
+    q = q.reshape(n, d.shape[1], -1).float()
+    w = q * d.view(bits).float()[..., None]
+    if m is not None:
+        w = w + m.view(bits).float()[..., None]
     return w.reshape(n, -1)[:, :k].to(dtype)
 
 
@@ -93,13 +135,14 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
         self.dtype = torch.float32  # the activations' dtype; set by the loader
         kw = {"device": device}
-        if fmt == "u4":
+        bits = torch.int32 if fmt.endswith("k") else torch.int16  # float32 / float16 scales (module docstring)
+        if fmt.startswith("u4"):
             self.register_buffer("qs", torch.empty(out_features, nbp // 2, BLOCK, dtype=torch.uint8, **kw))
-            self.register_buffer("m", torch.empty(out_features, nbp, dtype=torch.int16, **kw))
+            self.register_buffer("m", torch.empty(out_features, nbp, dtype=bits, **kw))
         else:
             self.register_buffer("qs", torch.empty(out_features, nbp, BLOCK, dtype=torch.int8, **kw))
             self.m = None
-        self.register_buffer("d", torch.empty(out_features, nbp, dtype=torch.int16, **kw))
+        self.register_buffer("d", torch.empty(out_features, nbp * (2 if fmt == "s8k" else 1), dtype=bits, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.offsets = np.cumsum([0, *(pieces or [out_features])]).tolist()  # fused pieces' first rows
         self.pieces = pieces or [out_features]

@@ -623,7 +623,8 @@ struct Model {
   }
 
   // a repacked weight from [qs, d(, m)] (lanner/models/quant.py): qs uint8 [N, blocks / 2, 32] is u4 (with m),
-  // int8 [N, blocks, 32] s8
+  // int8 [N, blocks, 32] s8; int16 scales are float16 per block of 32, int32 ones a K-quant's float32 (per 32 for
+  // u4, per 16 for s8)
   QW make_qw(const std::vector<torch::Tensor>& t, int64_t N, int64_t K, const std::string& what) {
     QW w;
     if (t.empty()) return w;
@@ -633,21 +634,28 @@ struct Model {
     w.fmt = qs.scalar_type() == torch::kUInt8 ? kU4 : kS8;
     w.N = N;
     w.K = K;
-    w.nbp = t[1].dim() == 2 ? t[1].size(1) : 0;
-    const int64_t want = ((K + 31) / 32 + 1) / 2 * 2;
-    TORCH_CHECK(w.nbp == want && t[1].sizes() == c10::IntArrayRef({N, w.nbp}) && t[1].scalar_type() == at::kShort,
-                "lowlat: ", what, ": scales must be int16 (float16 bits) [", N, ", ", want, "]");
+    w.nbp = ((K + 31) / 32 + 1) / 2 * 2;
+    const bool kq = t[1].scalar_type() == at::kInt;
+    const int64_t nd = kq && w.fmt == kS8 ? 2 * w.nbp : w.nbp;
+    TORCH_CHECK(t[1].sizes() == c10::IntArrayRef({N, nd}) && (kq || t[1].scalar_type() == at::kShort),
+                "lowlat: ", what, ": scales must be int16 (float16 bits) or int32 (float32 bits) [", N, ", ", nd, "]");
+    TORCH_CHECK(!kq || w.nbp * 32 == K, "lowlat: ", what, ": K-quant rows must be whole blocks, got K = ", K);
     if (w.fmt == kU4) {
       TORCH_CHECK(t.size() == 3 && qs.sizes() == c10::IntArrayRef({N, w.nbp / 2, 32}) && t[2].sizes() == t[1].sizes() &&
-                      t[2].scalar_type() == at::kShort, "lowlat: ", what, ": u4 needs qs [", N, ", ", w.nbp / 2,
-                  ", 32] uint8 and m like d");
-      w.m = reinterpret_cast<const uint16_t*>(t[2].data_ptr());
+                      t[2].scalar_type() == t[1].scalar_type(), "lowlat: ", what, ": u4 needs qs [", N, ", ",
+                  w.nbp / 2, ", 32] uint8 and m like d");
     } else {
       TORCH_CHECK(qs.scalar_type() == at::kChar && qs.sizes() == c10::IntArrayRef({N, w.nbp, 32}),
                   "lowlat: ", what, ": s8 needs qs int8 [", N, ", ", w.nbp, ", 32]");
     }
     w.qs = reinterpret_cast<const uint8_t*>(qs.data_ptr());
-    w.d = reinterpret_cast<const uint16_t*>(t[1].data_ptr());
+    if (kq) {
+      w.df = reinterpret_cast<const float*>(t[1].data_ptr());
+      if (w.fmt == kU4) w.mf = reinterpret_cast<const float*>(t[2].data_ptr());
+    } else {
+      w.d = reinterpret_cast<const uint16_t*>(t[1].data_ptr());
+      if (w.fmt == kU4) w.m = reinterpret_cast<const uint16_t*>(t[2].data_ptr());
+    }
     for (const auto& x : t) q_keep.push_back(x);
     return w;
   }

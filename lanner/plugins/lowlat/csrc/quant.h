@@ -3,6 +3,8 @@
 //   u4: 4-bit codes q, float16 d and m per block of 32 (w = d * q + m; Q4_1, and Q4_0 as m = -8 d). 32 bytes hold
 //       two blocks: low nibbles the even block's 32 codes in element order, high nibbles the odd block's.
 //   s8: int8 codes, float16 d per block of 32 (w = d * q; Q8_0, Q5_0 widened).
+// K-quants keep these code layouts with float32 scales (df, mf: the super-block scale times the sub-block's integer
+// scale, exact): u4 with df / mf per block of 32 (Q4_K), s8 with df per 16 elements (Q6_K).
 // Rows have an even block count (zero-padded). Two activation modes:
 //   q8:    each activation row is quantized per block of 32 to int8 with a float16-rounded scale, as llama.cpp's
 //          quantize_row_q8_0/q8_1 do, and a block pair is one 64-byte integer dot product (vpdpbusd with
@@ -26,7 +28,10 @@ struct QW {  // one repacked weight [N, K]; qs / d / m point into tensors the pl
   const uint8_t* qs = nullptr;
   const uint16_t* d = nullptr;
   const uint16_t* m = nullptr;
+  const float* df = nullptr;  // K-quants: float32 scales instead of d / m (u4: per 32 with offsets mf; s8: per 16)
+  const float* mf = nullptr;
   bool quant() const { return fmt != kDense; }
+  bool kq() const { return df != nullptr; }
   int64_t row_bytes() const { return nbp * 32 / (fmt == kU4 ? 2 : 1); }
 };
 
@@ -89,13 +94,25 @@ static inline __m512 pair_scales(const uint16_t* d, int64_t p) {
   return _mm512_mask_blend_ps((__mmask16)0xff00, lo, hi);
 }
 
+// the weight scale of each lane of block pair p of row n (vpdpbusd's lane i sums elements 4i..4i+3): float16
+// per block of 32, or a K-quant's float32 per 32 (u4) / per 16 (s8)
+template <bool KQ>
+static inline __m512 lane_scales(const QW& w, int64_t n, int64_t p) {
+  if constexpr (!KQ) return pair_scales(w.d + n * w.nbp, p);
+  if (w.fmt == kU4) {
+    const float* d = w.df + n * w.nbp + 2 * p;
+    return _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1]));
+  }
+  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(w.df + n * 2 * w.nbp + 4 * p)));
+}
+
 // weight row n against MB q8 activation rows -> out[r * ldo]
-template <int MB>
+template <int MB, bool KQ>
 static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, int64_t ldo) {
   const int64_t np = w.nbp / 2;
   __m512 acc[MB][2];
   for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  const uint16_t* dr = w.d + n * w.nbp;
   if (w.fmt == kU4) {
     const uint8_t* qs = w.qs + n * np * 32;
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
@@ -103,7 +120,7 @@ static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, 
       const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + p * 32));
       const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, lo4)),
                                             _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4), 1);
-      const __m512 dw = pair_scales(dr, p);
+      const __m512 dw = lane_scales<KQ>(w, n, p);
       for (int r = 0; r < MB; r++) {
         const __m512i s = dot_u8s8(_mm512_setzero_si512(), wq, _mm512_loadu_si512((const void*)(xr[r].q + p * 64)));
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xr[r].db + p * 16));
@@ -120,7 +137,7 @@ static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, 
       const __m512i wq = _mm512_abs_epi8(raw);
       const __mmask64 neg = _mm512_movepi8_mask(raw);
 #endif
-      const __m512 dw = pair_scales(dr, p);
+      const __m512 dw = lane_scales<KQ>(w, n, p);
       for (int r = 0; r < MB; r++) {
         const __m512i xv = _mm512_loadu_si512((const void*)(xr[r].q + p * 64));
 #ifdef __AVX512VNNI__
@@ -137,11 +154,12 @@ static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, 
   for (int r = 0; r < MB; r++) {
     float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
     if (w.fmt == kU4) {  // + sum over blocks of m * s, 16 blocks per step
-      const uint16_t* mr = w.m + n * w.nbp;
       __m512 a = _mm512_setzero_ps();
       for (int64_t b = 0; b < w.nbp; b += 16) {
         const __mmask16 mk = (__mmask16)(w.nbp - b >= 16 ? 0xffff : (1u << (w.nbp - b)) - 1);
-        const __m512 mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, mr + b));
+        __m512 mv;
+        if constexpr (KQ) mv = _mm512_maskz_loadu_ps(mk, w.mf + n * w.nbp + b);
+        else mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, w.m + n * w.nbp + b));
         a = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, xr[r].s + b), a);
       }
       v += _mm512_reduce_add_ps(a);
@@ -152,23 +170,30 @@ static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, 
 
 // the 64 exact float32 weights of block pair p of row n, as 4 vectors of 16
 static inline void unpack_pair(const QW& w, int64_t n, int64_t p, __m512 v[4]) {
-  const uint16_t* dr = w.d + n * w.nbp;
-  const __m512 d0 = _mm512_set1_ps(h2f(dr[2 * p])), d1 = _mm512_set1_ps(h2f(dr[2 * p + 1]));
+  float d[4], m[2];  // the scale of each vector of 16, u4's offset of each block of 32
+  if (w.kq() && w.fmt == kS8) {
+    for (int h = 0; h < 4; h++) d[h] = w.df[n * 2 * w.nbp + 4 * p + h];
+  } else {
+    for (int b = 0; b < 2; b++) {
+      const int64_t i = n * w.nbp + 2 * p + b;
+      d[2 * b] = d[2 * b + 1] = w.kq() ? w.df[i] : h2f(w.d[i]);
+      if (w.fmt == kU4) m[b] = w.kq() ? w.mf[i] : h2f(w.m[i]);
+    }
+  }
   if (w.fmt == kU4) {
     const uint8_t* qs = w.qs + (n * (w.nbp / 2) + p) * 32;
-    const uint16_t* mr = w.m + n * w.nbp;
-    const __m512 m0 = _mm512_set1_ps(h2f(mr[2 * p])), m1 = _mm512_set1_ps(h2f(mr[2 * p + 1]));
     const __m512i lo4 = _mm512_set1_epi32(0x0f);
     for (int h = 0; h < 2; h++) {
       const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(qs + h * 16)));
-      v[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lo4)), d0, m0);
-      v[2 + h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), d1, m1);
+      v[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, lo4)), _mm512_set1_ps(d[0]), _mm512_set1_ps(m[0]));
+      v[2 + h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), _mm512_set1_ps(d[2]),
+                                 _mm512_set1_ps(m[1]));
     }
   } else {
     const int8_t* qs = reinterpret_cast<const int8_t*>(w.qs) + (n * w.nbp + 2 * p) * 32;
     for (int h = 0; h < 4; h++)
       v[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qs + h * 16)))),
-                           h < 2 ? d0 : d1);
+                           _mm512_set1_ps(d[h]));
   }
 }
 
@@ -204,8 +229,9 @@ static inline void f32_rows(const QW& w, int64_t n, const float* x, int64_t ldx,
 
 // rows [n0, n1) of W against M activation rows: out[m * ldo + n]. q8: `xq` holds the M quantized rows (stride
 // `qstride` bytes), else `x` the float rows.
-static void qgemv(const QW& w, int64_t n0, int64_t n1, const float* x, int64_t ldx, char* xq, int64_t qstride,
-                  bool q8, int M, float* out, int64_t ldo) {
+template <bool KQ>
+static void qgemv_t(const QW& w, int64_t n0, int64_t n1, const float* x, int64_t ldx, char* xq, int64_t qstride,
+                    bool q8, int M, float* out, int64_t ldo) {
   Q8Row rows[4];
   for (int m0 = 0; m0 < M; m0 += 4) {
     const int mb = std::min(4, M - m0);
@@ -215,10 +241,10 @@ static void qgemv(const QW& w, int64_t n0, int64_t n1, const float* x, int64_t l
       float* o = out + m0 * ldo + n;
       const float* xm = x + m0 * ldx;
       switch (mb * 2 + q8) {
-        case 3: q8_rows<1>(w, n, rows, o, ldo); break;
-        case 5: q8_rows<2>(w, n, rows, o, ldo); break;
-        case 7: q8_rows<3>(w, n, rows, o, ldo); break;
-        case 9: q8_rows<4>(w, n, rows, o, ldo); break;
+        case 3: q8_rows<1, KQ>(w, n, rows, o, ldo); break;
+        case 5: q8_rows<2, KQ>(w, n, rows, o, ldo); break;
+        case 7: q8_rows<3, KQ>(w, n, rows, o, ldo); break;
+        case 9: q8_rows<4, KQ>(w, n, rows, o, ldo); break;
         case 2: f32_rows<1>(w, n, xm, ldx, o, ldo); break;
         case 4: f32_rows<2>(w, n, xm, ldx, o, ldo); break;
         case 6: f32_rows<3>(w, n, xm, ldx, o, ldo); break;
@@ -226,6 +252,11 @@ static void qgemv(const QW& w, int64_t n0, int64_t n1, const float* x, int64_t l
       }
     }
   }
+}
+
+static inline void qgemv(const QW& w, int64_t n0, int64_t n1, const float* x, int64_t ldx, char* xq,
+                         int64_t qstride, bool q8, int M, float* out, int64_t ldo) {
+  (w.kq() ? qgemv_t<true> : qgemv_t<false>)(w, n0, n1, x, ldx, xq, qstride, q8, M, out, ldo);
 }
 
 // quantize M float rows of K columns into xq (stride qstride) for the q8 kernels
