@@ -70,9 +70,9 @@ class EngineConfig:
                                      "5 with n-grams)")
     spec_max_tokens: int = option(16, "spec", f"most tokens of a suffix draft (suffix, hybrid; 1..{SPEC_MAX_TOKENS};"
                                   " fewer when the match is shorter)")
-    spec_tree: int = option(0, "spec", f"suffix / hybrid: draft trees of up to this many nodes (1..{SPEC_MAX_TOKENS}; "
-                            "paths of up to spec_max_tokens), verified in one forward under a tree attention mask "
-                            "(the engine's forward: plugins verify chains only); 0: chains")
+    spec_tree: int = option(0, "spec", f"suffix / hybrid / draft head: draft trees of up to this many nodes "
+                            f"(1..{SPEC_MAX_TOKENS}; suffix paths up to spec_max_tokens deep, the head's up to "
+                            "spec_tokens), verified in one forward under a tree attention mask; 0: chains")
     # on the 2-core CPU the hybrid on agent sessions gains 1.43x / 1.59x / 1.07x output tok/s at 1 / 2 / 4 running
     # requests and loses at 8 (0.88x): results/bench_spec_batch_hybrid (n-gram on chat: results/bench_spec_batch)
     spec_max_batch: int = option(4, "spec", "speculate only while at most this many requests run")
@@ -205,9 +205,9 @@ class EngineConfig:
             raise ValueError(f"spec_tree: must be an integer in 0..{SPEC_MAX_TOKENS}, got {self.spec_tree!r}")
         if not self.spec_tree:
             return
-        if self.spec not in ("suffix", "hybrid"):
-            raise ValueError(f"spec_tree: trees come from the suffix index (spec='suffix' or 'hybrid'), not "
-                             f"spec={self.spec!r}")
+        if self.spec not in ("suffix", "hybrid", "draft"):
+            raise ValueError(f"spec_tree: trees come from the suffix index or a draft head (spec='suffix', "
+                             f"'hybrid' or 'draft'), not spec={self.spec!r}")
         if self.kv_tier is not None or self.tp != 1:
             raise ValueError(f"spec_tree: tree verification runs on the paged KV cache at tp=1, not with "
                              f"{'kv_tier' if self.kv_tier is not None else f'tp={self.tp}'}")

@@ -13,7 +13,7 @@ from lanner import LLM, SamplingParams
 from lanner.cli import build_parser, engine_kwargs
 from lanner.config import EngineConfig
 from lanner.engine.sampling import processed_probs
-from lanner.models.loader import default_model_path
+from lanner.models.loader import ModelSource, default_model_path, load_config
 from lanner.spec.draft_head import random_draft_head
 from lanner.spec.proposers import DraftHeadProposer, NgramProposer
 
@@ -93,6 +93,22 @@ def test_random_draft_head_greedy_is_lossless(plain_outputs, head_dir):
     check_greedy_lossless(llm, plain_outputs)
 
 
+def test_head_tree_greedy_is_lossless(plain_outputs):
+    """EAGLE-2 trees from the shipped head (spec_tree): greedy output equals plain decoding for each prompt alone
+    and in a batch of 4 with prefix-cache hits (the same prompts again), and the trees really branch."""
+    llm = LLM(dtype="float32", spec="draft", draft="default", spec_tree=8)
+    trees = []
+    verify = llm.engine.spec.verify
+    llm.engine.spec.verify = lambda it, logits: trees.append(it.draft_parents) or verify(it, logits)
+    alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS[:4]]
+    assert [o.token_ids for o in alone] == plain_outputs[:4]
+    batch = llm.generate(PROMPTS[:4], GREEDY)
+    assert [o.token_ids for o in batch] == plain_outputs[:4]
+    assert any(o.metrics["cached_prompt_tokens"] > 0 for o in batch)
+    assert sum(1 for t in trees if t and t.count(-1) > 1) > len(trees) // 2  # most trees have several first tokens
+    assert llm.engine.kv.block_manager.num_used == 0
+
+
 def test_self_draft_model_accepts_everything_and_is_lossless(plain_outputs):
     llm = LLM(dtype="float32", spec="draft", draft=default_model_path(), spec_tokens=4, spec_max_batch=8)
     outs = llm.generate(PROMPTS, GREEDY)
@@ -141,6 +157,8 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     target = tiny_model(root / "target", 0)
     tiny_model(root / "draft", 1)
+    cfg = load_config(ModelSource.resolve(str(root / "target")))[0]
+    random_draft_head(cfg, draft_vocab_size=V, seed=2).save(str(root / "head"))
     return root, target
 
 
@@ -157,17 +175,19 @@ def exact_joint(model, params):
     return joint.reshape(-1).double()
 
 
-@pytest.mark.parametrize("spec,temp,top_p", [("ngram", 1.0, 1.0), ("ngram", 0.7, 0.9), ("draft", 1.0, 1.0),
-                                             ("draft", 0.7, 0.9), ("suffix-tree", 0.7, 0.9)])
+@pytest.mark.parametrize("spec,temp,top_p", [("ngram", 1.0, 1.0), ("ngram", 0.7, 0.9), ("draft", 0.7, 0.9),
+                                             ("suffix-tree", 0.7, 0.9), ("head-tree", 1.0, 1.0)])
 def test_sampled_distribution_is_unchanged(tiny, spec, temp, top_p):
     """Suffix drafts also come from the shared index of earlier outputs (the same prompt, 20,000 times); its trees
-    then branch where the outputs did (several candidates per node). (Suffix chains verify as n-gram drafts do.)"""
+    then branch where the outputs did (several candidates per node). (Suffix chains verify as n-gram drafts do.)
+    A random head's trees hold its top 4 children at each expanded node."""
     root, target = tiny
     params = SamplingParams(temperature=temp, top_p=top_p, max_tokens=3, ignore_eos=True)
-    llm = LLM(model=str(root / "target"), dtype="float32", skip_tokenizer=True, spec=spec.removesuffix("-tree"),
-              spec_tokens=3, draft=str(root / "draft") if spec == "draft" else None, max_num_seqs=256,
-              spec_max_batch=256, max_num_batched_tokens=4096, kv_cache_memory="0.05GiB", seed=123,
-              spec_tree=8 if spec == "suffix-tree" else 0)
+    draft = {"draft": root / "draft", "head-tree": root / "head"}.get(spec)
+    llm = LLM(model=str(root / "target"), dtype="float32", skip_tokenizer=True,
+              spec="draft" if draft else spec.removesuffix("-tree"), spec_tokens=3, draft=draft and str(draft),
+              max_num_seqs=256, spec_max_batch=256, max_num_batched_tokens=4096, kv_cache_memory="0.05GiB",
+              seed=123, spec_tree=8 if spec.endswith("-tree") else 0)
     n = 20000
     trees = []  # the draft trees verification saw
     verify = llm.engine.spec.verify
@@ -183,8 +203,15 @@ def test_sampled_distribution_is_unchanged(tiny, spec, temp, top_p):
     exp = np.append(expected[~small], expected[small].sum())
     assert exp[-1] >= 5 or obs[-1] == 0
     assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 0.001
-    if spec == "suffix-tree":  # trees from the outputs branch: several candidates per node were verified
+    if spec.endswith("-tree"):  # the trees branch: several candidates per node were verified
         assert sum(p is not None and len(set(p)) < len(p) for p in trees) > n // 10
+
+
+def test_tree_refused_for_draft_models(tiny):
+    root, _ = tiny
+    with pytest.raises(ValueError, match="spec_tree: draft trees come from the suffix index or a draft head"):
+        LLM(model=str(root / "target"), dtype="float32", skip_tokenizer=True, spec="draft",
+            draft=str(root / "draft"), spec_tree=4, kv_cache_memory="0.01GiB")
 
 
 def test_prefix_cache_holds_only_verified_tokens_and_nothing_leaks(tiny):

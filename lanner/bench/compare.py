@@ -37,9 +37,10 @@ def add_arguments(p, name: str, concurrency: str):
                         "after the first is freed, and report the ratios of the two")
     p.add_argument("--systems", default=None, metavar="SPEC[,SPEC...]",
                    help="speculation systems to run one after the other, each in its own engine, with ratios "
-                        "against the first: none (plain), ngram, suffix, draft, hybrid, suffix-tree, hybrid-tree "
-                        "(e.g. 'none,ngram,suffix,draft,hybrid'); 'draft' and 'hybrid' use --draft or the shipped "
-                        "head; '-tree': draft trees of --spec-tree nodes (default 12)")
+                        "against the first: none (plain), ngram, suffix, draft, hybrid, suffix-tree, draft-tree, "
+                        "hybrid-tree (e.g. 'none,ngram,suffix,draft,hybrid'); 'draft' and 'hybrid' use --draft or "
+                        "the shipped head; '-tree': draft trees of --spec-tree nodes (default 12; hybrid-tree: the "
+                        "suffix index's and the head's)")
     p.add_argument("--json", default=None, help=f"result file (default: OUT_DIR/{name}.json)")
     p.add_argument("--png", default=None, help="chart file (default: the --json path with .png)")
     p.add_argument("--out-dir", default="results", help="folder for the result files when --json is not given")

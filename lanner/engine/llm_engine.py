@@ -116,11 +116,16 @@ class LLMEngine:
             # a head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
             embed = self._gather_embedding() if self.tp is not None and draft_kind != "model" else None
             with tp_disabled():
-                if draft_kind in ("head", "mtp"):
-                    head = MtpProposer if draft_kind == "mtp" else DraftHeadProposer
-                    proposer = head(draft_model, self.model, *args, embed_weight=embed)
+                if draft_kind == "head":
+                    proposer = DraftHeadProposer(draft_model, self.model, *args, embed_weight=embed,
+                                                 tree=config.spec_tree, depth=config.spec_tokens)
+                elif draft_kind == "mtp":
+                    proposer = MtpProposer(draft_model, self.model, *args, embed_weight=embed)
                 else:
                     proposer = DraftModelProposer(draft_model, *args)
+        if config.spec_tree and draft_kind in ("model", "mtp"):
+            raise ValueError(f"spec_tree: draft trees come from the suffix index or a draft head, not from "
+                             f"draft={config.draft!r}")
         if config.spec_tree and self.model_config.family != "llama":  # its forward takes the tree mask as given
             raise ValueError(f"spec_tree: tree verification covers Llama-family models, not "
                              f"{self.model_config.architecture}")

@@ -16,6 +16,7 @@ from lanner.engine.runner import ModelRunner, SeqChunk
 from lanner.engine.sampling import processed_probs, sample_from_probs
 from lanner.layers.attention import build_attention_metadata
 from lanner.plugins import Step, StepKind
+from lanner.spec.decoder import draft_room
 
 
 class Proposer:
@@ -105,12 +106,20 @@ class DraftHeadProposer(Proposer):
     forward verified). Draft-extend consumes them; the chain then feeds the head's own hidden state back.
 
     Its KV pool shares the target's block tables (num_blocks: the target's pool size), or, over a KV system
-    without them (num_blocks=None: UlaCache), the head keeps its own blocks per request in a pool that grows."""
+    without them (num_blocks=None: UlaCache), the head keeps its own blocks per request in a pool that grows.
+
+    tree > 0: the head drafts trees of up to that many nodes instead of chains (EAGLE-2): at each depth it
+    expands the TREE_TOPK nodes of highest path probability (its confidence: a sure path keeps one child in the
+    final tree, an unsure one several), each into its TREE_TOPK likeliest children; the tree is then the `tree`
+    nodes of highest path probability. Candidates are a function of the draft's distribution, not sampled from
+    it, so the verifier's rejection over them (lanner.spec.verify.verify_tree) is lossless for sampling too."""
     name = "draft-head"
+    TREE_TOPK = 4
 
     def __init__(self, head, target, num_blocks: int | None, block_size: int, dtype, device, plugins=None,
-                 embed_weight: torch.Tensor | None = None):
+                 embed_weight: torch.Tensor | None = None, tree: int = 0, depth: int = 16):
         self.head, self.target, self.block_size, self.device = head, target, block_size, device
+        self.tree, self.depth = tree, depth
         # the whole [vocab, hidden] token embedding: under tensor parallelism the target's is a vocab shard whose
         # lookup is a collective, so the engine passes a gathered copy (the head runs on rank 0 only)
         self.embed_weight = target.embed_tokens.weight if embed_weight is None else embed_weight
@@ -152,13 +161,22 @@ class DraftHeadProposer(Proposer):
         st.blocks = []
 
     @torch.inference_mode()
-    def _forward(self, kind, hidden, tokens, positions, q_lens, ctx_lens, tables):
+    def _forward(self, kind, hidden, tokens, positions, q_lens, ctx_lens, tables, reads=None):
+        """reads (trees): per sequence, the slot where its tree starts and the [rows, tree slots] bool mask of what
+        its rows read there (every row reads all slots before)."""
         meta = build_attention_metadata(q_lens, ctx_lens, tables, self.block_size, self.device)
+        if reads is not None:
+            mask = torch.zeros(len(q_lens), 1, max(q_lens), max(ctx_lens), dtype=torch.bool)
+            for b, (start, cols) in enumerate(reads):
+                mask[b, 0, :, :start] = True
+                mask[b, 0, : cols.shape[0], start : start + cols.shape[1]] = cols
+            meta.mask, meta.is_causal = mask.to(self.device), False
         emb = F.embedding(torch.tensor(tokens, device=self.device), self.embed_weight)
         args = (hidden, emb, torch.tensor(positions, device=self.device), self.kv[0], self.kv[1], meta)
         if self.plugins is None:
             return self.head(*args)
-        return self.plugins.forward(Step(kind, len(tokens), len(q_lens), "draft_head"), self.head, *args)
+        return self.plugins.forward(Step(kind, len(tokens), len(q_lens), "draft_head", tree=reads is not None),
+                                    self.head, *args)
 
     @torch.inference_mode()
     def propose(self, requests, ks, states):
@@ -177,12 +195,14 @@ class DraftHeadProposer(Proposer):
             t += n
             last_rows.append(t - 1)
             st.features = None
-        # the chain's d_j enters at position num_tokens - 2 + j
-        tables = self._tables(requests, states, [r.num_tokens - 1 + k for r, k in zip(requests, ks)])
+        # the chain's d_j enters at position num_tokens - 2 + j (a tree's expanded nodes take one slot each)
+        tables = self._tables(requests, states, [r.num_tokens - 1 + max(k, self.tree) for r, k in zip(requests, ks)])
         hidden = self.head.fuse(torch.cat(feats).to(self.head.fc.weight.dtype))
         logits, out = self._forward(StepKind.DRAFT_EXTEND, hidden, tokens, positions, q_lens, ctx_lens, tables)
         rows = torch.tensor(last_rows, device=self.device)
         logits, g = logits[rows].float(), out[rows]
+        if self.tree:
+            return self._trees(requests, tables, ks, logits, g)
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = [i for i in range(len(requests)) if ks[i] > 0]
@@ -215,6 +235,68 @@ class DraftHeadProposer(Proposer):
                                       [p + 1 for p in pos], [tables[i] for i in active])
             logits = logits.float()
         return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+
+    def _trees(self, requests, tables, ks, logits, g):
+        """EAGLE-2 draft trees (class docstring) from the extend step's last rows: logits [B, draft vocab], g [B, h]
+        -> [(target ids, None, parents)]. The e-th expanded node of a request writes its KV at slot
+        num_tokens - 1 + e and reads the context and its expanded ancestors."""
+        K, B = self.TREE_TOPK, len(requests)
+        depth = [min(k, self.depth, draft_room(r)) for r, k in zip(requests, ks)]
+        # per request, per node: draft id, parent node, path log-probability, depth, the hidden it is fed with
+        tok, par, score, dep, src = ([[] for _ in range(B)] for _ in range(5))
+        slot: list[dict[int, int]] = [{} for _ in range(B)]  # expanded node -> its slot offset
+
+        def add_children(i, parent, row_logits, hidden, d):
+            logq = row_logits.float().log_softmax(-1).topk(K)
+            base = score[i][parent] if parent >= 0 else 0.0
+            for v, t in zip(logq.values.tolist(), logq.indices.tolist()):
+                tok[i].append(t), par[i].append(parent), score[i].append(base + v), dep[i].append(d)
+                src[i].append(hidden)
+
+        for i in range(B):
+            if depth[i] > 0:
+                add_children(i, -1, logits[i], g[i], 1)
+        for d in range(1, max(depth, default=0)):
+            rows, seqs = [], []  # (request, node) expanded at this depth
+            for i in range(B):
+                level = [n for n in range(len(tok[i])) if dep[i][n] == d]
+                room = self.tree - 1 - len(slot[i])  # expanded nodes stay within the tree's reserved slots
+                if d >= depth[i] or room <= 0:
+                    continue
+                level = sorted(level, key=lambda n: -score[i][n])[: min(K, room)]
+                for n in level:
+                    slot[i][n] = len(slot[i])
+                rows.extend((i, n) for n in level)
+                seqs.append((i, level))
+            if not rows:
+                break
+            q_lens, ctx_lens, reads, positions = [], [], [], []
+            for i, level in seqs:
+                base = requests[i].num_tokens - 1
+                q_lens.append(len(level))
+                ctx_lens.append(base + len(slot[i]))
+                mask = torch.zeros(len(level), len(slot[i]), dtype=torch.bool)
+                for row, n in enumerate(level):
+                    a = n
+                    while a >= 0:  # the node and its ancestors (all expanded)
+                        mask[row, slot[i][a]] = True
+                        a = par[i][a]
+                reads.append((base, mask))
+                positions.extend([requests[i].num_tokens - 2 + d] * len(level))
+            hidden = torch.stack([src[i][n] for i, n in rows])
+            ids = self.head.d2t[torch.tensor([tok[i][n] for i, n in rows], device=self.device)].tolist()
+            out_logits, out = self._forward(StepKind.DRAFT, hidden, ids, positions, q_lens, ctx_lens,
+                                            [tables[i] for i, _ in seqs], reads)
+            for r, (i, n) in enumerate(rows):
+                add_children(i, n, out_logits[r], out[r], d + 1)
+        drafts = []
+        for i in range(B):
+            keep = sorted(range(len(tok[i])), key=lambda n: (-score[i][n], dep[i][n]))[: self.tree]
+            keep = sorted(n for n in keep if dep[i][n] <= depth[i])  # creation order: parents first
+            index = {n: j for j, n in enumerate(keep)}
+            ids = self.head.d2t[torch.tensor([tok[i][n] for n in keep], dtype=torch.long, device=self.device)]
+            drafts.append((ids.tolist(), None, [index[par[i][n]] if par[i][n] >= 0 else -1 for n in keep]))
+        return drafts
 
     def _chain(self, requests, tables, active, ks, logits, g):
         """All greedy with one k: a plugin may run the k - 1 chained draft steps in one call (same tokens, no Python
