@@ -36,8 +36,8 @@ class EngineConfig:
                                "SmolLM2-135M-Instruct)")
     dtype: str = option("bfloat16", "model", "weights and KV dtype", choices=sorted(DTYPES))
     weights: str = option("dequantize", "model", "GGUF files: dequantize every tensor to --dtype at load, or keep "
-                          "Q4_0/Q4_1/Q5_0/Q8_0 blocks as stored (lowlat runs them with its quantized kernels, the "
-                          "engine's own forward dequantizes tiles on the fly; docs/quantized.md)",
+                          "Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks as stored (lowlat runs them with its quantized "
+                          "kernels, the engine's own forward dequantizes tiles on the fly; docs/quantized.md)",
                           choices=["dequantize", "stored"])
     device: str | None = option(None, "model", "cpu or cuda[:N] (default: cuda when available, else cpu)")
     seed: int = option(0, "model", "torch's global seed, set at engine start (sampling without a request seed draws "
