@@ -249,9 +249,9 @@ class LowLatPlugin(Plugin):
             return model(input_ids, positions, kv_caches, meta, capture_layers)
         if meta.q_lens is None:
             raise RuntimeError("lowlat: AttentionMetadata carries no q_lens/ctx_lens/block_tables")
-        if max(meta.ctx_lens) > kernel.max_pos and self._is_gemma(model):
-            kernel.set_rope(*self._rope_tables(model, max(meta.ctx_lens)))
         with self._lock:
+            if max(meta.ctx_lens) > kernel.max_pos and self._is_gemma(model):
+                kernel.set_rope(*self._rope_tables(model, max(meta.ctx_lens)))
             out = kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
                                  meta.block_size, list(capture_layers), meta.tree or [])
         self._check_aborted(kernel)

@@ -24,6 +24,9 @@
 //    expert's add into the sum, FusedMoE's order) and attention follows PyTorch's CPU flash attention, so the
 //    plugin tracks the engine's own forward bit for bit in nearly all elements; float32 models are float32
 //    throughout.
+//  * Gemma 3 (set_gemma): (1 + w) norms rounded once, post-norms on the attention and feed-forward outputs (whole
+//    rows of a row-split GEMV: one barrier more each), GeGLU, the scaled embedding, sliding-window local layers
+//    (each row reads the window of its own position) with their own RoPE tables; one rank only.
 //  * tensor parallelism: each rank runs its shard (heads, intermediate size, vocabulary rows) and the all-reduces
 //    happen inside the call, in the epilogue of the row-parallel GEMVs: each thread publishes its hidden columns
 //    to a memory segment the ranks share as soon as they are done and sums the other ranks' copies of them (see
