@@ -1316,7 +1316,7 @@ struct Model {
         for (int64_t t = a; t < b; t++) {
           if (q_embed.quant()) qrow(q_embed, ids[t], x + t * hidden);
           else for (int64_t i = 0; i < hidden; i++) x[t * hidden + i] = ldf(emb, ids[t] * hidden + i);
-          if (gemma)  // the row in the model dtype times the rounded factor (ScaledEmbedding)
+          if (gemma)  // the row in the model dtype times the rounded factor (Gemma3Model.embed_scale)
             for (int64_t i = 0; i < hidden; i++) x[t * hidden + i] = rnd<WT>(rnd<WT>(x[t * hidden + i]) * embed_scale);
         }
       }
