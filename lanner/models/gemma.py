@@ -128,6 +128,7 @@ class Gemma3Model(LlamaModel):
         types = layer_types(cfg)
         if SLIDING in types and not self.window:
             raise ValueError("gemma3: sliding_attention layers need a sliding_window")
+        # a plain embedding, scaled in forward: GGUF blocks kept as stored replace the module (QuantEmbedding)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, t, i) for i, t in enumerate(types))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -140,10 +141,8 @@ class Gemma3Model(LlamaModel):
         self.rotary.to(device)
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, capture_layers=()):
-        # scaled here, not in the embedding module, so the stored (quantized) embedding is scaled too; the factor
-        # is rounded to the activation dtype first, as transformers does
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)
+        x = x * self.embed_scale(x.dtype)
         rope = {t: r.lookup(positions, x.dtype) for t, r in self.rotary.items()}
         metas = {FULL: meta}
         if any(layer.layer_type == SLIDING for layer in self.layers):
@@ -155,6 +154,11 @@ class Gemma3Model(LlamaModel):
             if i in capture_layers:
                 captured[i] = x
         return self.norm(x), [captured[i] for i in capture_layers]
+
+    def embed_scale(self, dtype) -> torch.Tensor:
+        """sqrt(hidden) rounded to the model dtype first (as transformers scales the embedding); the tied LM head
+        is the unscaled embedding."""
+        return torch.tensor(self.cfg.hidden_size ** 0.5, dtype=dtype)
 
     def compute_logits(self, hidden):
         logits = super().compute_logits(hidden)

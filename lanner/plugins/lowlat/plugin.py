@@ -1,7 +1,8 @@
 """LowLatPlugin: the whole Llama-family forward in one C++ call for small CPU batches (decode, verify of k
 drafts, small prefill chunks) of the target or a draft model, dense or MoE (Qwen3-MoE, Mixtral: router, top-k,
-and each hit expert's GEMVs over only the rows that picked it), lowlat's GEMV for the LM head (core's
-compute_logits hook) and for an EAGLE-style draft head's linears. See csrc/lowlat.cpp for the kernels."""
+and each hit expert's GEMVs over only the rows that picked it) or Gemma 3 (sliding-window local layers, (1 + w)
+pre/post norms, GeGLU), lowlat's GEMV for the LM head (core's compute_logits hook) and for an EAGLE-style draft
+head's linears. See csrc/lowlat.cpp for the kernels."""
 from __future__ import annotations
 
 import logging
@@ -51,8 +52,10 @@ class LowLatPlugin(Plugin):
     Under TP every rank runs lowlat on its shard and all ranks use the same thread count (the smallest asked)."""
 
     name = "lowlat"
-    # Llama-family models, dense or with MoE feed-forwards (Qwen3-MoE, Mixtral); not MLA (the DeepSeek family)
-    architectures = tuple(sorted(a for a, f in SUPPORTED_ARCHITECTURES.items() if f == "llama"))
+    # Llama-family models, dense or with MoE feed-forwards (Qwen3-MoE, Mixtral), and Gemma 3; not MLA (DeepSeek)
+    architectures = tuple(sorted(a for a, f in SUPPORTED_ARCHITECTURES.items() if f in ("llama", "gemma")))
+    GEMMA_ARCHITECTURES = tuple(sorted(a for a, f in SUPPORTED_ARCHITECTURES.items() if f == "gemma"))
+    ROPE_ROWS = 4096  # Gemma's rotary tables start this long and double as positions grow (its model keeps none)
     MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
     OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
                                "isa": str, "allreduce": str, "timeout_s": (int, float), "act": str,
@@ -136,6 +139,9 @@ class LowLatPlugin(Plugin):
         problem = self._problem(model_config)
         if problem:
             raise PluginMismatch(f"lowlat: {problem}")
+        if model_config.architecture in self.GEMMA_ARCHITECTURES and hardware.tp_size > 1:
+            raise PluginMismatch(f"lowlat: {model_config.architecture} runs on one rank only (tensor parallelism "
+                                 "is not built for its post-norms)")
         self._load_extension()
 
     def _load_extension(self):
@@ -244,6 +250,8 @@ class LowLatPlugin(Plugin):
         if meta.q_lens is None:
             raise RuntimeError("lowlat: AttentionMetadata carries no q_lens/ctx_lens/block_tables")
         with self._lock:
+            if max(meta.ctx_lens) > kernel.max_pos and self._is_gemma(model):
+                kernel.set_rope(*self._rope_tables(model, max(meta.ctx_lens)))
             out = kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
                                  meta.block_size, list(capture_layers), meta.tree or [])
         self._check_aborted(kernel)
@@ -336,8 +344,30 @@ class LowLatPlugin(Plugin):
             kinds.append("moe")
         return kinds, moe
 
+    def _is_gemma(self, model):
+        return model.cfg.architecture in self.GEMMA_ARCHITECTURES
+
+    def _rope_tables(self, model, need):
+        """Gemma's global cos, sin and local cos, sin tables, float32 [rows >= need, head_dim]: its own rotary
+        modules' lookup over positions 0..rows-1 (the values its forward uses; it keeps no table)."""
+        from lanner.models.gemma import FULL, SLIDING
+
+        rows = self.ROPE_ROWS
+        while rows < need:
+            rows *= 2
+        pos = torch.arange(rows)
+        return [t.reshape(rows, -1).contiguous() for kind in (FULL, SLIDING)
+                for t in model.rotary[kind].lookup(pos, torch.float32)]
+
     def _make_kernel(self, model):
         c, dtype = model.cfg, self.hardware.dtype
+        gemma = self._is_gemma(model)
+        if gemma:
+            from lanner.models.gemma import SLIDING
+
+            rope = self._rope_tables(model, 0)  # the global tables go in as the Llama ones
+        else:
+            rope = [model.rotary.cos.float().contiguous(), model.rotary.sin.float().contiguous()]
         layers = model.layers
         att = [lyr.self_attn for lyr in layers]
         kinds, moe = self._feed_forwards(model)
@@ -365,17 +395,31 @@ class LowLatPlugin(Plugin):
                 [lyr.input_layernorm.weight.data for lyr in layers],
                 [w(a.qkv_proj) for a in att],
                 [a.qkv_proj.bias.data for a in att] if att[0].qkv_proj.bias is not None else [],
-                [a.q_norm.weight.data for a in att] if att[0].q_norm is not None else [],
-                [a.k_norm.weight.data for a in att] if att[0].k_norm is not None else [],
+                [a.q_norm.weight.data for a in att] if att[0].q_norm is not None and not gemma else [],
+                [a.k_norm.weight.data for a in att] if att[0].k_norm is not None and not gemma else [],
                 [w(a.o_proj) for a in att],
-                [lyr.post_attention_layernorm.weight.data for lyr in layers],
+                # the MLP's input norm (Gemma: pre_feedforward_layernorm; set_gemma passes its (1 + w) below)
+                [(lyr.pre_feedforward_layernorm if gemma else lyr.post_attention_layernorm).weight.data
+                 for lyr in layers],
                 per_layer("dense", lambda m: w(m.gate_up_proj)),
                 per_layer("dense", lambda m: w(m.down_proj)),
-                model.norm.weight.data, model.rotary.cos.float().contiguous(), model.rotary.sin.float().contiguous(),
+                model.norm.weight.data, rope[0], rope[1],
                 moe_inter, top_k, renorm, [int(k == "moe") for k in kinds],
                 per_layer("moe", lambda m: m.gate.weight),
                 per_layer("moe", lambda m: m.experts.w13),
                 per_layer("moe", lambda m: m.experts.w2))
+            if gemma:
+                def one_plus(norms):  # GemmaRMSNorm's float32 (1 + w): the kernel rounds once, after the product
+                    return [1.0 + n.weight.float() for n in norms]
+
+                kernel.set_gemma(one_plus(lyr.input_layernorm for lyr in layers),
+                                 one_plus(lyr.post_attention_layernorm for lyr in layers),
+                                 one_plus(lyr.pre_feedforward_layernorm for lyr in layers),
+                                 one_plus(lyr.post_feedforward_layernorm for lyr in layers),
+                                 one_plus(a.q_norm for a in att), one_plus(a.k_norm for a in att),
+                                 1.0 + model.norm.weight.float(), [int(lyr.layer_type == SLIDING) for lyr in layers],
+                                 int(model.window or 0), float(model.embed_scale(dtype)))
+                kernel.set_rope(*rope)
         if any(isinstance(m, QuantLinear) for m in model.modules()):
             ws = [packed(m) for lyr, a in zip(layers, att)
                   for m in (a.qkv_proj, a.o_proj, getattr(lyr.mlp, "gate_up_proj", None), getattr(lyr.mlp, "down_proj", None))]
@@ -401,6 +445,12 @@ class LowLatPlugin(Plugin):
             entry = self._others[id(model)] = (weakref.ref(model), kernel)
         return entry[1]
 
+    @staticmethod
+    def _softcap(model, logits):
+        """Gemma's final_logit_softcapping, the ops of its compute_logits on the same model-dtype logits."""
+        cap = getattr(model, "softcap", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
     # ------------------------------------------------------------------ extras
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                out_float: bool = False) -> torch.Tensor:
@@ -418,12 +468,12 @@ class LowLatPlugin(Plugin):
             if kernel is None or hidden.shape[0] > self.rows:
                 return model.compute_logits(hidden)
             with self._lock:
-                return kernel.qlinear(hidden.contiguous(), head.packed(), head.out_features)
+                return self._softcap(model, kernel.qlinear(hidden.contiguous(), head.packed(), head.out_features))
         weight = head.weight
         if hidden.shape[0] > self.rows or weight.dtype != self.hardware.dtype:
             return model.compute_logits(hidden)
         if id(model) != self._target_id or self.hardware.tp_size == 1:
-            return self._kernel.linear(hidden, weight, None, False)
+            return self._softcap(model, self._kernel.linear(hidden, weight, None, False))
         if self._segment is None:  # across hosts the gather is the process group's, like the engine's own
             return model.compute_logits(hidden)
         with self._lock:

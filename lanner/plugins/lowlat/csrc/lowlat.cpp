@@ -24,6 +24,9 @@
 //    expert's add into the sum, FusedMoE's order) and attention follows PyTorch's CPU flash attention, so the
 //    plugin tracks the engine's own forward bit for bit in nearly all elements; float32 models are float32
 //    throughout.
+//  * Gemma 3 (set_gemma): (1 + w) norms rounded once, post-norms on the attention and feed-forward outputs (whole
+//    rows of a row-split GEMV: one barrier more each), GeGLU, the scaled embedding, sliding-window local layers
+//    (each row reads the window of its own position) with their own RoPE tables; one rank only.
 //  * tensor parallelism: each rank runs its shard (heads, intermediate size, vocabulary rows) and the all-reduces
 //    happen inside the call, in the epilogue of the row-parallel GEMVs: each thread publishes its hidden columns
 //    to a memory segment the ranks share as soon as they are done and sums the other ranks' copies of them (see
@@ -506,6 +509,16 @@ struct Model {
   // attention, which the default path mirrors, switches exp variants at the padded batch's length)
   bool invariant = false;
   std::vector<std::vector<int64_t>> tree_;  // forward()'s draft-tree rows per sequence (see attend)
+  // Gemma 3 (set_gemma): every norm is x / rms(x) * (1 + w) with the float32 (1 + w) passed in (one rounding, as
+  // transformers' Gemma3RMSNorm); post-norms on the attention and feed-forward outputs before their residual
+  // adds; GeGLU (tanh GELU); the embedding times sqrt(hidden) (the factor rounded to the model dtype); local
+  // layers read the last `window` positions and take their own RoPE tables (set_rope)
+  bool gemma = false;
+  float embed_scale = 1.f;
+  int64_t window = 0;
+  std::vector<char> is_local;
+  std::vector<torch::Tensor> g_in, g_pa, g_pf, g_po, g_qn, g_kn;
+  torch::Tensor g_final, cos_local, sin_local;
   // per-phase seconds seen by thread 0 (profile = true): GEMV, attention, barrier waits, the rest (norms, RoPE,
   // KV writes, residuals, embedding), the stored-type LM head (qlinear); prof_calls: forwards + LM-head calls
   bool profile = false;
@@ -694,6 +707,79 @@ struct Model {
   }
   char* q8buf(int tid) const { return buf<char>(off_q8 + tid * max_rows * q8_stride); }
 
+  // Gemma 3: per layer the float32 (1 + w) of input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+  // post_feedforward_layernorm, q_norm and k_norm, then the final norm's; local: 1 for a sliding-window layer;
+  // embed_scale: sqrt(hidden) as the model dtype rounds it. The constructor's norm weights are then unused.
+  void set_gemma(std::vector<torch::Tensor> in, std::vector<torch::Tensor> pa, std::vector<torch::Tensor> pf,
+                 std::vector<torch::Tensor> po, std::vector<torch::Tensor> qn, std::vector<torch::Tensor> kn,
+                 torch::Tensor fin, std::vector<int64_t> local, int64_t window_, double embed_scale_) {
+    TORCH_CHECK(!qk_norm && !has_bias && E == 0, "lowlat: Gemma 3 layers have no Llama q/k norm, bias or MoE");
+    TORCH_CHECK((int64_t)local.size() == L && window_ >= 0, "lowlat: one local flag per layer and a window >= 0");
+    auto chk = [&](const torch::Tensor& t, int64_t n, const char* what) {
+      TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n, "lowlat: gemma ", what,
+                  " must be contiguous float32 [", n, "]");
+    };
+    for (auto* v : {&in, &pa, &pf, &po, &qn, &kn}) TORCH_CHECK((int64_t)v->size() == L, "lowlat: gemma norms per layer");
+    for (int64_t l = 0; l < L; l++) {
+      chk(in[l], hidden, "input_layernorm");
+      chk(pa[l], hidden, "post_attention_layernorm");
+      chk(pf[l], hidden, "pre_feedforward_layernorm");
+      chk(po[l], hidden, "post_feedforward_layernorm");
+      chk(qn[l], D, "q_norm");
+      chk(kn[l], D, "k_norm");
+    }
+    chk(fin, hidden, "norm");
+    g_in = in; g_pa = pa; g_pf = pf; g_po = po; g_qn = qn; g_kn = kn; g_final = fin;
+    is_local.assign(L, 0);
+    for (int64_t l = 0; l < L; l++) is_local[l] = local[l] != 0;
+    TORCH_CHECK(window_ > 0 || std::find(is_local.begin(), is_local.end(), 1) == is_local.end(),
+                "lowlat: local layers need a window");
+    window = window_;
+    embed_scale = float(embed_scale_);
+    gemma = true;
+    cos_local = cos;
+    sin_local = sin;
+  }
+
+  // the rotary tables [max_pos, D] (float32) of the global and (Gemma) local layers, replaced as positions grow
+  void set_rope(torch::Tensor c, torch::Tensor s, torch::Tensor cl, torch::Tensor sl) {
+    for (const auto* t : {&c, &s, &cl, &sl})
+      TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->dim() == 2 && t->size(1) == D &&
+                      t->size(0) == c.size(0), "lowlat.set_rope: four contiguous float32 [max_pos, ", D, "] tables");
+    cos = c; sin = s; cos_local = cl; sin_local = sl;
+    max_pos = c.size(0);
+  }
+
+  // Gemma's norm of rows [t0, t1) of x: x / rms(x) * w1 in float32 (w1 = 1 + w), rounded once to the model dtype
+  template <typename WT, typename DT>
+  void norm1p(const float* x, const float* w1, DT* dst, int64_t t0, int64_t t1) const {
+    for (int64_t t = t0; t < t1; t++) {
+      const float* xr = x + t * hidden;
+      const float r = 1.0f / std::sqrt(sumsq(xr, hidden) / float(hidden) + float(eps));
+      for (int64_t i = 0; i < hidden; i++) stf<DT>(dst, t * hidden + i, rnd<WT>(xr[i] * r * w1[i]));
+    }
+  }
+
+  // columns [a, b) of T rows of a GEMV output rounded to the model dtype in place
+  template <typename WT>
+  void round_cols(float* y, int64_t T, int64_t a, int64_t b) const {
+    if (std::is_same<WT, bf16_t>::value)
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t c = a; c < b; c++) y[t * hidden + c] = rbf(y[t * hidden + c]);
+  }
+
+  // Gemma's post-norm + residual over this thread's columns [a, b): y holds the block's output (whole rows,
+  // already in the model dtype); each thread takes every row's rms (cheap) rather than wait on a barrier more
+  template <typename WT>
+  void post_norm_add(const float* y, const float* w1, int64_t T, int64_t a, int64_t b) const {
+    float* x = buf<float>(off_x);
+    for (int64_t t = 0; t < T; t++) {
+      const float* yr = y + t * hidden;
+      const float r = 1.0f / std::sqrt(sumsq(yr, hidden) / float(hidden) + float(eps));
+      for (int64_t c = a; c < b; c++) x[t * hidden + c] = rnd<WT>(x[t * hidden + c] + rnd<WT>(yr[c] * r * w1[c]));
+    }
+  }
+
   // one of the forward's matmuls: the stored-type kernel when the weight is quantized, else the dense GEMV.
   // quantize=false reuses the q8 rows the previous call left in this thread's buffer (same X)
   template <typename WT, typename XT>
@@ -830,6 +916,32 @@ struct Model {
     }
   }
 
+  // out = gelu_tanh(gate) * up (Gemma's GeGLU), rounded like silu_mul. gelu_tanh(g) = 0.5 g (1 + tanh(u)),
+  // u = sqrt(2 / pi) (g + 0.044715 g^3) (ATen's inner term), taken as g / (1 + exp(-2u)): the same function
+  // without tanh's cancellation near 0
+  template <typename WT, typename XT>
+  static void gelu_mul(const float* g, const float* u, XT* out, int64_t n) {
+    constexpr bool kBf = std::is_same<WT, bf16_t>::value;
+    const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
+      if (kBf) { gv = rbf16(gv); uv = rbf16(uv); }
+      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
+      const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_fmadd_ps(_mm512_set1_ps(kappa), cube, gv));
+      const __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(-2.f), inner));
+      __m512 ge = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+      ge = kBf ? rbf16(_mm512_mul_ps(rbf16(ge), uv)) : _mm512_mul_ps(ge, uv);
+      float r16[16];
+      _mm512_storeu_ps(r16, ge);
+      for (int e2 = 0; e2 < 16; e2++) stf<XT>(out, i + e2, r16[e2]);
+    }
+    for (; i < n; i++) {
+      const float gv = rnd<WT>(g[i]), inner = beta * (gv + kappa * gv * gv * gv);
+      stf<XT>(out, i, rnd<WT>(rnd<WT>(gv / (1.f + std::exp(-2.f * inner))) * rnd<WT>(u[i])));
+    }
+  }
+
   // test hooks: the elementwise pieces on their own (float32 in, model dtype out)
   torch::Tensor test_silu_mul(torch::Tensor g, torch::Tensor u) const {
     auto gc = g.to(torch::kFloat32).contiguous(), uc = u.to(torch::kFloat32).contiguous();
@@ -856,20 +968,22 @@ struct Model {
   // over float32 exponentials; bf16 models round the exponentials to bf16 for P @ V; output times 1 / sum.
   // anc: a draft tree's rows (nullptr: causal rows): row i reads the context before the step's first row and, of
   // the step's rows, those whose bit is set in anc[i] (its ancestors and itself), in that order: the keys, and so
-  // the arithmetic, of a one-row step at its position (the depth) after its path was accepted
+  // the arithmetic, of a one-row step at its position (the depth) after its path was accepted.
+  // win > 0 (a sliding-window layer): row i reads only the keys at positions > pos - win (its own position, tree
+  // rows too); the key blocks stay at multiples of 512, so a row's arithmetic still depends on its keys alone
   template <typename WT, typename XT>
   void attend(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
               const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h, XT* ain,
-              std::vector<float>& S, std::vector<float>& O, const int64_t* anc = nullptr) const {
+              std::vector<float>& S, std::vector<float>& O, const int64_t* anc = nullptr, int64_t win = 0) const {
     constexpr int64_t kBlock = 512;
     constexpr bool kBf = std::is_same<WT, bf16_t>::value;
     const int64_t g = h / (H / Hkv), ldq = H * D, nv = D / 16;
     if ((int64_t)S.size() < nq * kBlock) S.resize(nq * kBlock);
     if ((int64_t)O.size() < nq * D) O.resize(nq * D);
     const float sc = float(scale);
-    int64_t lim[kMaxRows];
+    int64_t lim[kMaxRows], lo[kMaxRows];
     float mx[kMaxRows], sum[kMaxRows];
-    int64_t maxlim = 0;
+    int64_t maxlim = 0, minlo = ctx;
     const int64_t c0 = ctx - nq;  // slot position of the step's first row
     int8_t path[64][64];  // tree row i's k-th key past the context is step row path[i][k] (a tree has <= 63 rows)
     if (anc != nullptr)
@@ -883,23 +997,25 @@ struct Model {
     };
     for (int64_t i = 0; i < nq; i++) {
       lim[i] = anc != nullptr ? c0 + __builtin_popcountll(uint64_t(anc[i])) : std::min(pos[t0 + i] + 1, ctx);
+      lo[i] = win > 0 ? std::max<int64_t>(0, pos[t0 + i] - win + 1) : 0;
       maxlim = std::max(maxlim, lim[i]);
+      minlo = std::min(minlo, lo[i]);
       mx[i] = -INFINITY;
       sum[i] = 0.f;
     }
     std::fill(O.begin(), O.begin() + nq * D, 0.f);
-    for (int64_t n0 = 0; n0 < maxlim; n0 += kBlock) {
+    for (int64_t n0 = minlo / kBlock * kBlock; n0 < maxlim; n0 += kBlock) {
       const int64_t n1 = std::min(n0 + kBlock, maxlim);
       const int64_t vec_end = n0 + (std::min(kBlock, kv_len - n0) / 16) * 16;  // exp_u20 below, std::exp above
       // scores of this block: S[i][j - n0]
-      for (int64_t j = n0; j < n1; j++) {
+      for (int64_t j = std::max(n0, minlo); j < n1; j++) {
         const bool shared = anc == nullptr || j < c0;  // every row's j-th key is the same one
         const WT* kp = shared ? kc + (slot(0, j) * Hkv + g) * D : nullptr;
         __m512 kv[8];
         if (shared)
           for (int64_t v = 0; v < nv && v < 8; v++) kv[v] = load16(kp + v * 16);
         for (int64_t i = 0; i < nq; i++) {
-          if (j >= lim[i]) continue;
+          if (j >= lim[i] || j < lo[i]) continue;
           const float* qi = q + (t0 + i) * ldq + h * D;
           const WT* ki = shared ? kp : kc + (slot(i, j) * Hkv + g) * D;
           __m512 acc = _mm512_setzero_ps();
@@ -910,13 +1026,14 @@ struct Model {
       }
       // online softmax update per row
       for (int64_t i = 0; i < nq; i++) {
-        const int64_t n = std::min(lim[i], n1) - n0;  // valid keys of row i in this block
+        const int64_t s0 = std::max(lo[i], n0) - n0;  // valid keys of row i in this block: s0 .. s0 + n - 1
+        const int64_t n = std::min(lim[i], n1) - n0 - s0;
         if (n <= 0) continue;
-        float* srow = S.data() + i * kBlock;
+        float* srow = S.data() + i * kBlock + s0;
         float m = mx[i];
         for (int64_t j = 0; j < n; j++) m = std::max(m, srow[j]);
         const __m512 mv = _mm512_set1_ps(m);
-        const int64_t nvec = (invariant ? n : std::max<int64_t>(0, std::min(n, vec_end - n0))) / 16 * 16;
+        const int64_t nvec = (invariant ? n : std::max<int64_t>(0, std::min(n, vec_end - n0 - s0))) / 16 * 16;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < nvec; j += 16) {
           const __m512 xm = _mm512_sub_ps(_mm512_loadu_ps(srow + j), mv);
@@ -934,20 +1051,20 @@ struct Model {
         const float corr = std::exp(mx[i] - m);  // exp(-inf) = 0 on the first block
         sum[i] = bsum + corr * sum[i];
         mx[i] = m;
-        if (n0 > 0) {
+        if (n0 > 0) {  // (zeros times 0 on a windowed row's first block)
           float* o = O.data() + i * D;
           for (int64_t d = 0; d < D; d++) o[d] *= corr;
         }
       }
       // P @ V for this block
-      for (int64_t j = n0; j < n1; j++) {
+      for (int64_t j = std::max(n0, minlo); j < n1; j++) {
         const bool shared = anc == nullptr || j < c0;
         const WT* vp = shared ? vc + (slot(0, j) * Hkv + g) * D : nullptr;
         __m512 vv[8];
         if (shared)
           for (int64_t v = 0; v < nv && v < 8; v++) vv[v] = load16(vp + v * 16);
         for (int64_t i = 0; i < nq; i++) {
-          if (j >= lim[i]) continue;
+          if (j >= lim[i] || j < lo[i]) continue;
           const __m512 p = _mm512_set1_ps(S[i * kBlock + j - n0]);
           const WT* vi = shared ? vp : vc + (slot(i, j) * Hkv + g) * D;
           float* o = O.data() + i * D;
@@ -1207,12 +1324,16 @@ struct Model {
         for (int64_t t = a; t < b; t++) {
           if (q_embed.quant()) qrow(q_embed, ids[t], x + t * hidden);
           else for (int64_t i = 0; i < hidden; i++) x[t * hidden + i] = ldf(emb, ids[t] * hidden + i);
+          if (gemma)  // the row in the model dtype times the rounded factor (Gemma3Model.embed_scale)
+            for (int64_t i = 0; i < hidden; i++) x[t * hidden + i] = rnd<WT>(rnd<WT>(x[t * hidden + i]) * embed_scale);
         }
       }
 #pragma omp barrier
       for (int64_t l = 0; l < L; l++) {
         // --- attention block: norm (every thread, private copy) -> QKV GEMV over this thread's heads + epilogue
-        rmsnorm<WT, XT>(x, ptr<WT>(in_norm[l]), xin, 0, T);
+        if (gemma) norm1p<WT, XT>(x, g_in[l].data_ptr<float>(), xin, 0, T);
+        else rmsnorm<WT, XT>(x, ptr<WT>(in_norm[l]), xin, 0, T);
+        const bool local = gemma && is_local[l];
         int64_t h0, h1;
         split(H + 2 * Hkv, 1, tid, nt, h0, h1);
         mark(3);
@@ -1222,12 +1343,16 @@ struct Model {
           const WT* bias = has_bias ? ptr<WT>(qkv_b[l]) : nullptr;
           const WT* qn = qk_norm ? ptr<WT>(q_norm[l]) : nullptr;
           const WT* kn = qk_norm ? ptr<WT>(k_norm[l]) : nullptr;
+          const float* gqn = gemma ? g_qn[l].data_ptr<float>() : nullptr;
+          const float* gkn = gemma ? g_kn[l].data_ptr<float>() : nullptr;
+          const float* cosL = local ? cos_local.data_ptr<float>() : cosT;
+          const float* sinL = local ? sin_local.data_ptr<float>() : sinT;
           WT* kc = kcs[l];
           WT* vc = vcs[l];
           float v[512], rot[512];
           for (int64_t t = 0; t < T; t++) {
-            const float* cr = cosT + pos[t] * D;
-            const float* sr = sinT + pos[t] * D;
+            const float* cr = cosL + pos[t] * D;
+            const float* sr = sinL + pos[t] * D;
             for (int64_t hh = h0; hh < h1; hh++) {
               const float* src = qkv + t * nqkv + hh * D;
               for (int64_t d = 0; d < D; d++) v[d] = rnd<WT>(bias ? src[d] + ldf(bias, hh * D + d) : src[d]);
@@ -1237,6 +1362,10 @@ struct Model {
                   const float ss = sumsq(v, D);
                   const float r = 1.0f / std::sqrt(ss / float(D) + float(eps));
                   for (int64_t d = 0; d < D; d++) v[d] = rnd<WT>(ldf(w, d) * rnd<WT>(v[d] * r));
+                } else if (gemma) {
+                  const float* w1 = hh < H ? gqn : gkn;
+                  const float r = 1.0f / std::sqrt(sumsq(v, D) / float(D) + float(eps));
+                  for (int64_t d = 0; d < D; d++) v[d] = rnd<WT>(v[d] * r * w1[d]);
                 }
                 for (int64_t d = 0; d < half; d++) { rot[d] = -v[d + half]; rot[d + half] = v[d]; }
                 for (int64_t d = 0; d < D; d++) {
@@ -1260,7 +1389,7 @@ struct Model {
         for (int64_t it = tid; it < B * H; it += nt) {
           const int64_t sb = it / H, h = it % H;
           attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, bts[sb], bs, kcs[l], vcs[l], h, ain, S, O,
-                         tree_[sb].empty() ? nullptr : tree_[sb].data());
+                         tree_[sb].empty() ? nullptr : tree_[sb].data(), local ? window : 0);
         }
         mark(1);
 #pragma omp barrier
@@ -1271,15 +1400,22 @@ struct Model {
         mm<WT, XT>(q_o[l], o_w[l], H * D, a, b, ain, H * D, M, tmp, hidden, tid);
         mark(0);
         if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
-        for (int64_t t = 0; t < T; t++)
-          for (int64_t n = a; n < b; n++)
-            x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+        if (gemma) {  // the post-norm needs whole rows of o_proj's output: one barrier more
+          round_cols<WT>(tmp, T, a, b);
+#pragma omp barrier
+          post_norm_add<WT>(tmp, g_pa[l].data_ptr<float>(), T, a, b);
+        } else {
+          for (int64_t t = 0; t < T; t++)
+            for (int64_t n = a; n < b; n++)
+              x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+        }
         mark(3);
 #pragma omp barrier
         mark(2);
         if (l == dbg_layer) snap(x, T * hidden, tid);
         // --- MLP: norm (private) -> gate/up rows [a, b) of both halves -> SiLU(gate) * up
-        rmsnorm<WT, XT>(x, ptr<WT>(post_norm[l]), xin, 0, T);
+        if (gemma) norm1p<WT, XT>(x, g_pf[l].data_ptr<float>(), xin, 0, T);
+        else rmsnorm<WT, XT>(x, ptr<WT>(post_norm[l]), xin, 0, T);
         if (is_moe[l]) {
           moe_ffn<WT, XT>(l, tid, nt, xin, T, rt, s, err);
 #pragma omp barrier
@@ -1296,7 +1432,8 @@ struct Model {
         mm<WT, XT>(q_gu[l], gu_w[l], hidden, inter + a, inter + b, xin, hidden, M, gu, 2 * inter, tid, false);
         mark(0);
         for (int64_t t = 0; t < T; t++)
-          silu_mul<WT, XT>(gu + t * 2 * inter + a, gu + t * 2 * inter + inter + a, act + t * inter + a, b - a);
+          (gemma ? gelu_mul<WT, XT> : silu_mul<WT, XT>)(gu + t * 2 * inter + a, gu + t * 2 * inter + inter + a,
+                                                       act + t * inter + a, b - a);
         mark(3);
 #pragma omp barrier
         mark(2);
@@ -1306,9 +1443,15 @@ struct Model {
         mm<WT, XT>(q_down[l], down_w[l], inter, a, b, act, inter, M, tmp, hidden, tid);
         mark(0);
         if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
-        for (int64_t t = 0; t < T; t++)
-          for (int64_t n = a; n < b; n++)
-            x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+        if (gemma) {
+          round_cols<WT>(tmp, T, a, b);
+#pragma omp barrier
+          post_norm_add<WT>(tmp, g_po[l].data_ptr<float>(), T, a, b);
+        } else {
+          for (int64_t t = 0; t < T; t++)
+            for (int64_t n = a; n < b; n++)
+              x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
+        }
         mark(3);
 #pragma omp barrier
         mark(2);
@@ -1319,7 +1462,8 @@ struct Model {
         }
       }
       split(T, 1, tid, nt, a, b);
-      rmsnorm<WT, WT>(x, ptr<WT>(final_norm), out, a, b);
+      if (gemma) norm1p<WT, WT>(x, g_final.data_ptr<float>(), out, a, b);
+      else rmsnorm<WT, WT>(x, ptr<WT>(final_norm), out, a, b);
       mark(3);
       if (tid == 0) seq_end = s;
     }
@@ -1808,6 +1952,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<at::Tensor>>())
       .def("forward", &lowlat::Model::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_quant", &lowlat::Model::set_quant)
+      .def("set_gemma", &lowlat::Model::set_gemma)
+      .def("set_rope", &lowlat::Model::set_rope)
+      .def_readonly("max_pos", &lowlat::Model::max_pos)
       .def("qlinear", &lowlat::Model::qlinear, pybind11::call_guard<pybind11::gil_scoped_release>(),
            pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("n"), pybind11::arg("out_float") = false)
       .def_readwrite("invariant", &lowlat::Model::invariant)
