@@ -57,11 +57,18 @@ def _run_record(token_ids, total_s, ttft_s) -> dict:
             "decode_tok_s": (n - 1) / decode_s if decode_s and n > 1 else None, "token_ids": token_ids}
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A user message in the model's chat template, or the bare text for a base model without one."""
+    if not tokenizer.hf.chat_template:
+        return tokenizer.encode(text)
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}])
+
+
 def bench_lanner(llm, prompt_ids: list[list[int]], max_tokens: int) -> list[dict]:
     from lanner.engine.sampling import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    warm = llm.tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}])
+    warm = encode_prompt(llm.tokenizer, WARMUP_PROMPT)
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True))
     runs = []
     for ids in prompt_ids:
@@ -139,8 +146,8 @@ def run(args, engine_options: dict) -> dict:
     llm = LLM(**engine_options)
     config, source = llm.engine.config, llm.engine.source
     prompts = PROMPTS[: args.prompts]
-    prompt_ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    warm_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": WARMUP_PROMPT}])
+    prompt_ids = [encode_prompt(llm.tokenizer, p) for p in prompts]
+    warm_ids = encode_prompt(llm.tokenizer, WARMUP_PROMPT)
     pad_id = llm.tokenizer.hf.pad_token_id
     pad_id = pad_id if pad_id is not None else llm.tokenizer.eos_token_ids[0]
     print(f"latency: {source.name} ({config.dtype}, {config.device}), {len(prompts)} prompts x {args.max_tokens} "
@@ -265,8 +272,7 @@ def run_tp_sweep(args, engine_options: dict, sizes: list[int]) -> dict:
         try:
             with LLM(**engine_options | {"tp": n}) as llm:
                 config, source = llm.engine.config, llm.engine.source
-                prompt_ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                              for p in PROMPTS[: args.prompts]]
+                prompt_ids = [encode_prompt(llm.tokenizer, p) for p in PROMPTS[: args.prompts]]
                 print(f"latency: {source.name} ({config.dtype}, {config.device}), tp={n}, "
                       f"{torch.get_num_threads()} threads per rank, {len(prompt_ids)} prompts x {args.max_tokens} "
                       "tokens", file=sys.stderr, flush=True)

@@ -58,9 +58,8 @@ def run(args, engine_options: dict) -> dict:
             llm = LLM(**base | opts)
             config, source = llm.engine.config, llm.engine.source
             if prompt_ids is None:
-                prompt_ids = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                              for p in latency.PROMPTS[: args.prompts]]
-                warm_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": latency.WARMUP_PROMPT}])
+                prompt_ids = [latency.encode_prompt(llm.tokenizer, p) for p in latency.PROMPTS[: args.prompts]]
+                warm_ids = latency.encode_prompt(llm.tokenizer, latency.WARMUP_PROMPT)
             kernel = llm.engine.plugins.plugins[0]._kernel if llm.engine.plugins else None
             if kernel is not None:
                 kernel.profile = True
