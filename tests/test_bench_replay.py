@@ -208,7 +208,7 @@ def test_bench_fixed(llm, tmp_path):
     assert (tmp_path / "fixed.png").stat().st_size > 0
 
 
-def test_spec_systems_name_trees():
+def test_spec_systems_name_trees_and_the_peer():
     got = dict(compare.systems({"spec": "auto", "spec_tree": 0}, None, "none,suffix,suffix-tree,hybrid-tree"))
     assert (got["none"]["spec"], got["none"]["spec_tree"]) == (None, 0)
     assert (got["suffix"]["spec"], got["suffix"]["spec_tree"]) == ("suffix", 0)
@@ -217,3 +217,8 @@ def test_spec_systems_name_trees():
     assert dict(compare.systems({"spec_tree": 20}, None, "suffix-tree"))["suffix-tree"]["spec_tree"] == 20
     with pytest.raises(SystemExit, match="spec_tree"):
         compare.systems({"spec_tree": 40}, None, "suffix-tree")
+    got = dict(compare.systems({"spec": "auto", "spec_tree": 0}, None, "none,draft-tree,llama.cpp"))
+    assert (got["draft-tree"]["spec"], got["draft-tree"]["draft"]) == ("draft", "default")
+    assert got["llama.cpp"] == {"peer": "llama.cpp"}
+    with pytest.raises(SystemExit, match="llama.cpp cannot come first"):
+        compare.systems({}, None, "llama.cpp,none")

@@ -20,6 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from lanner.bench import report
+from lanner.bench.llamacpp import available as peer_missing
+
+PEER = "llama.cpp"  # --systems name of the llama.cpp peer (lanner.bench.llamacpp, its own process)
 
 
 @dataclass
@@ -38,9 +41,10 @@ def add_arguments(p, name: str, concurrency: str):
     p.add_argument("--systems", default=None, metavar="SPEC[,SPEC...]",
                    help="speculation systems to run one after the other, each in its own engine, with ratios "
                         "against the first: none (plain), ngram, suffix, draft, hybrid, suffix-tree, draft-tree, "
-                        "hybrid-tree (e.g. 'none,ngram,suffix,draft,hybrid'); 'draft' and 'hybrid' use --draft or "
-                        "the shipped head; '-tree': draft trees of --spec-tree nodes (default 12; hybrid-tree: the "
-                        "suffix index's and the head's)")
+                        "hybrid-tree, llama.cpp (e.g. 'none,ngram,suffix,draft,hybrid'); 'draft' and 'hybrid' use "
+                        "--draft or the shipped head; '-tree': draft trees of --spec-tree nodes (default 12; "
+                        "hybrid-tree: the suffix index's and the head's); 'llama.cpp': llama-cpp-python (make peers) "
+                        "on the same GGUF in its own process, one stream, lowlat's thread count")
     p.add_argument("--json", default=None, help=f"result file (default: OUT_DIR/{name}.json)")
     p.add_argument("--png", default=None, help="chart file (default: the --json path with .png)")
     p.add_argument("--out-dir", default="results", help="folder for the result files when --json is not given")
@@ -124,6 +128,12 @@ def systems(engine_options: dict, compare: str | None, spec_systems: str | None 
             sys.exit("lanner: error: --systems and --compare: give one of them")
         out = []
         for name in (n.strip() for n in spec_systems.split(",")):
+            if name == PEER:
+                if not out:
+                    sys.exit(f"lanner: error: --systems: {PEER} cannot come first (the workload is built on the "
+                             "first system's engine)")
+                out.append((name, {"peer": PEER}))
+                continue
             spec = None if name == "none" else name.removesuffix("-tree")
             draft = (engine_options.get("draft") or "default") if spec in ("draft", "hybrid") else None
             tree = (engine_options.get("spec_tree") or 12) if name.endswith("-tree") else 0
@@ -149,6 +159,23 @@ def systems(engine_options: dict, compare: str | None, spec_systems: str | None 
             sys.exit(f"lanner: error: --compare: {e}")
         out.append((compare if compare != first else f"{compare} #2", other))
     return out
+
+
+def run_peer_sessions(model_path: str, sessions: list[list[Turn]], warm: list[list[Turn]], threads: int,
+                      desc: str) -> tuple[list[dict], float]:
+    """llama.cpp (its own process, lanner.bench.llamacpp) over the same turns one at a time, keeping the shared
+    history's KV between turns. -> (records as run_sessions gives them, wall seconds)."""
+    from lanner.bench.llamacpp import run_peer
+
+    turns = [t for s in sessions for t in s]
+    print(f"{desc}: {len(turns)} turns in llama.cpp's process", file=sys.stderr, flush=True)
+    runs = run_peer(model_path, [t.prompt_ids for t in turns], warm[0][0].prompt_ids, [t.max_tokens for t in turns],
+                    threads)
+    records = [{"session": t.session, "turn": t.index, "prompt_tokens": len(t.prompt_ids), "cached_prompt_tokens": 0,
+                "max_tokens": t.max_tokens, "output_tokens": len(r["token_ids"]), "ttft_s": r["ttft_s"],
+                "speed_tok_s": (len(r["token_ids"]) - 1) / (r["total_s"] - r["ttft_s"])
+                if len(r["token_ids"]) > 1 else None, "token_ids": r["token_ids"]} for t, r in zip(turns, runs)]
+    return records, sum(r["total_s"] for r in runs)
 
 
 def _load(name: str, options: dict):
@@ -186,6 +213,22 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
     configs = systems(engine_options, args.compare, getattr(args, "systems", None))
     rows, tokens, infos, work, warm, meta = [], {}, [], None, None, {}
     for sys_name, options in configs:
+        if options.get("peer"):
+            if not meta["model_path"].endswith(".gguf"):
+                sys.exit(f"lanner: error: --systems: {PEER} runs GGUF files, not {meta['model_path']}")
+            why_not = peer_missing()
+            if why_not:
+                print(f"\n*** {PEER} SKIPPED: {why_not} ***\n", file=sys.stderr, flush=True)
+                continue
+            threads = ((engine_options.get("plugin_options") or {}).get("lowlat") or {}).get("threads") \
+                or torch.get_num_threads()
+            tokens[sys_name] = {}
+            for c in levels[:1]:  # one stream: llama.cpp serves one sequence at a time here
+                records, wall = run_peer_sessions(meta["model_path"], work[c], warm, threads, f"{sys_name} c={c}")
+                tokens[sys_name][c] = {(r["session"], r["turn"]): r["token_ids"] for r in records}
+                rows.append(summarize(sys_name, c, records, wall))
+            infos.append({"name": sys_name, "peer": PEER, "threads": threads, "concurrency": levels[:1]})
+            continue
         llm = _load(sys_name, options)
         engine = llm.engine
         if work is None:
@@ -225,7 +268,7 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
                 f"{title}: {meta['model']}, {env['dtype']}, {env['device']}")
     print(format_tables(result))
     for info in infos:
-        if info["plugins"]["disabled"]:
+        if info.get("plugins", {}).get("disabled"):
             print(f"\nWARNING: system {info['name']!r}: plugins disabled during the run (their steps fell back "
                   f"to the engine's own forward): {info['plugins']['disabled']}", file=sys.stderr)
     print(f"\nwrote {json_path} and {png_path}")
@@ -268,6 +311,8 @@ def comparison(rows: list[dict], a: str, b: str, tokens: dict) -> list[dict]:
     by = {(r["system"], r["concurrency"]): r for r in rows}
     out = []
     for c in sorted({r["concurrency"] for r in rows}):
+        if (a, c) not in by or (b, c) not in by:  # a peer measured at one level only
+            continue
         ra, rb = by[(a, c)], by[(b, c)]
         ta, tb = tokens[a][c], tokens[b][c]
         out.append({"concurrency": c, "system": a, "baseline": b,

@@ -25,9 +25,12 @@ def available() -> str | None:
     return None
 
 
-def run_peer(model_path: str, prompt_ids: list[list[int]], warm_ids: list[int], max_tokens: int, threads: int,
-             device: str = "cpu", timeout_s: float = 1800) -> list[dict]:
-    job = {"model": model_path, "prompts": prompt_ids, "warm": warm_ids, "max_tokens": max_tokens,
+def run_peer(model_path: str, prompt_ids: list[list[int]], warm_ids: list[int], max_tokens: int | list[int],
+             threads: int, device: str = "cpu", timeout_s: float = 1800) -> list[dict]:
+    """max_tokens: one for all prompts or one per prompt. llama-cpp-python keeps the KV of the longest prefix a
+    prompt shares with the previous one (replayed sessions: the history), as Lanner's prefix cache does."""
+    job = {"model": model_path, "prompts": prompt_ids, "warm": warm_ids,
+           "max_tokens": max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids),
            "threads": threads, "gpu": device.startswith("cuda")}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run([sys.executable, "-m", "lanner.bench.llamacpp"], input=json.dumps(job), env=env,
@@ -43,7 +46,7 @@ def _main():
     from llama_cpp import Llama
 
     job = json.loads(sys.stdin.read())
-    n_ctx = max(len(ids) for ids in job["prompts"] + [job["warm"]]) + job["max_tokens"] + 8
+    n_ctx = max(len(ids) + n for ids, n in zip(job["prompts"] + [job["warm"]], job["max_tokens"] + [16])) + 8
     llm = Llama(model_path=job["model"], n_ctx=n_ctx, n_threads=job["threads"], n_threads_batch=job["threads"],
                 n_gpu_layers=-1 if job["gpu"] else 0, verbose=False)
     n_vocab = llm.n_vocab()
@@ -67,7 +70,7 @@ def _main():
         return {"token_ids": tokens, "total_s": total, "ttft_s": ttft, "top2_gap": gaps}
 
     generate(job["warm"], 16)
-    runs = [generate(ids, job["max_tokens"]) for ids in job["prompts"]]
+    runs = [generate(ids, n) for ids, n in zip(job["prompts"], job["max_tokens"])]
     print(json.dumps({"runs": runs}))
 
 
