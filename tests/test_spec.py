@@ -175,8 +175,8 @@ def exact_joint(model, params):
     return joint.reshape(-1).double()
 
 
-@pytest.mark.parametrize("spec,temp,top_p", [("ngram", 1.0, 1.0), ("ngram", 0.7, 0.9), ("draft", 0.7, 0.9),
-                                             ("suffix-tree", 0.7, 0.9), ("head-tree", 1.0, 1.0)])
+@pytest.mark.parametrize("spec,temp,top_p", [("ngram", 1.0, 1.0), ("ngram", 0.7, 0.9), ("draft", 1.0, 1.0),
+                                             ("draft", 0.7, 0.9), ("suffix-tree", 0.7, 0.9), ("head-tree", 1.0, 1.0)])
 def test_sampled_distribution_is_unchanged(tiny, spec, temp, top_p):
     """Suffix drafts also come from the shared index of earlier outputs (the same prompt, 20,000 times); its trees
     then branch where the outputs did (several candidates per node). (Suffix chains verify as n-gram drafts do.)
