@@ -250,8 +250,8 @@ class DraftHeadProposer(Proposer):
             logq = row_logits.float().log_softmax(-1).topk(K)
             base = score[i][parent] if parent >= 0 else 0.0
             for v, t in zip(logq.values.tolist(), logq.indices.tolist()):
-                tok[i].append(t), par[i].append(parent), score[i].append(base + v), dep[i].append(d)
-                src[i].append(hidden)
+                for column, value in ((tok, t), (par, parent), (score, base + v), (dep, d), (src, hidden)):
+                    column[i].append(value)
 
         for i in range(B):
             if depth[i] > 0:
@@ -291,8 +291,9 @@ class DraftHeadProposer(Proposer):
                 add_children(i, n, out_logits[r], out[r], d + 1)
         drafts = []
         for i in range(B):
+            # a parent is at least as likely as its child and shallower: the top nodes are closed under parents
             keep = sorted(range(len(tok[i])), key=lambda n: (-score[i][n], dep[i][n]))[: self.tree]
-            keep = sorted(n for n in keep if dep[i][n] <= depth[i])  # creation order: parents first
+            keep.sort()  # creation order: parents first
             index = {n: j for j, n in enumerate(keep)}
             ids = self.head.d2t[torch.tensor([tok[i][n] for n in keep], dtype=torch.long, device=self.device)]
             drafts.append((ids.tolist(), None, [index[par[i][n]] if par[i][n] >= 0 else -1 for n in keep]))
