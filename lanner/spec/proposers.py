@@ -115,6 +115,7 @@ class DraftHeadProposer(Proposer):
     it, so the verifier's rejection over them (lanner.spec.verify.verify_tree) is lossless for sampling too."""
     name = "draft-head"
     TREE_TOPK = 4
+    tree, depth = 0, 16  # chains unless the engine asks for trees (subclasses such as MtpProposer draft chains)
 
     def __init__(self, head, target, num_blocks: int | None, block_size: int, dtype, device, plugins=None,
                  embed_weight: torch.Tensor | None = None, tree: int = 0, depth: int = 16):
