@@ -14,7 +14,9 @@ from lanner.cli import build_parser, engine_kwargs
 from lanner.config import EngineConfig
 from lanner.engine.sampling import processed_probs
 from lanner.models.loader import ModelSource, default_model_path, load_config
-from lanner.spec.draft_head import random_draft_head
+from lanner.layers.rotary import RotaryEmbedding
+from lanner.models.config import ModelConfig
+from lanner.spec.draft_head import DraftHead, random_draft_head
 from lanner.spec.proposers import DraftHeadProposer, NgramProposer
 
 PROMPTS = [
@@ -91,6 +93,20 @@ def test_ngram_greedy_is_lossless(plain_outputs):
 def test_random_draft_head_greedy_is_lossless(plain_outputs, head_dir):
     llm = LLM(dtype="float32", spec="draft", draft=head_dir)
     check_greedy_lossless(llm, plain_outputs)
+
+
+def test_head_rope_follows_the_targets_scaling(tmp_path):
+    """A Llama-3-style target's rope_scaling reaches its head: config, rotary table, saved and loaded."""
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    target = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=500000.0,
+                         rope_scaling=scaling, max_position_embeddings=256)
+    random_draft_head(target, draft_vocab_size=32).save(str(tmp_path / "head"))
+    head = DraftHead.load(str(tmp_path / "head"))
+    assert head.cfg.rope_scaling == scaling
+    want = RotaryEmbedding(8, 256, 500000.0, scaling).cos
+    assert torch.equal(head.rotary.cos, want) and not torch.equal(want, RotaryEmbedding(8, 256, 500000.0).cos)
 
 
 def test_head_tree_greedy_is_lossless(plain_outputs):

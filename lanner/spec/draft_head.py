@@ -39,6 +39,7 @@ class DraftHeadConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
+    rope_scaling: dict | None = None  # the target's (llama3 / yarn / ...): the head's positions are the target's
 
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int | None = None) -> DraftHeadConfig:
@@ -48,7 +49,8 @@ class DraftHeadConfig:
                    target_vocab_size=target.vocab_size,
                    draft_vocab_size=min(draft_vocab_size or 8192, target.vocab_size),
                    feature_layers=[min(2, L - 1), L // 2, max(L - 3, 0)], rms_norm_eps=target.rms_norm_eps,
-                   rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings)
+                   rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings,
+                   rope_scaling=target.rope_scaling)
 
     def as_model_config(self) -> ModelConfig:
         """The geometry the paged KV pool needs (one layer)."""
@@ -82,7 +84,7 @@ class DraftHead(nn.Module):
 
     def init_rotary(self, device):
         c = self.cfg
-        self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta).to(device)
+        self.rotary = RotaryEmbedding(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling).to(device)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[T, 3h] target features -> [T, h] (the head's input hidden)."""
