@@ -894,53 +894,42 @@ struct Model {
     }
   }
 
-  // out = silu(gate) * up over n elements: gate and up are raw GEMV outputs (float); like the module, bf16 models
-  // round them, the SiLU and the product to bf16
-  template <typename WT, typename XT>
-  static void silu_mul(const float* g, const float* u, XT* out, int64_t n) {
-    constexpr bool kBf = std::is_same<WT, bf16_t>::value;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
-      if (kBf) { gv = rbf16(gv); uv = rbf16(uv); }
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      __m512 sg = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-      sg = kBf ? rbf16(_mm512_mul_ps(rbf16(sg), uv)) : _mm512_mul_ps(sg, uv);
-      float r16[16];
-      _mm512_storeu_ps(r16, sg);
-      for (int e = 0; e < 16; e++) stf<XT>(out, i + e, r16[e]);
-    }
-    for (; i < n; i++) {
-      const float gv = rnd<WT>(g[i]);
-      stf<XT>(out, i, rnd<WT>(rnd<WT>(gv / (1.f + std::exp(-gv))) * rnd<WT>(u[i])));
-    }
-  }
-
-  // out = gelu_tanh(gate) * up (Gemma's GeGLU), rounded like silu_mul. gelu_tanh(g) = 0.5 g (1 + tanh(u)),
-  // u = sqrt(2 / pi) (g + 0.044715 g^3) (ATen's inner term), taken as g / (1 + exp(-2u)): the same function
-  // without tanh's cancellation near 0
-  template <typename WT, typename XT>
-  static void gelu_mul(const float* g, const float* u, XT* out, int64_t n) {
+  // out = act(gate) * up over n elements: gate and up are raw GEMV outputs (float); like the module, bf16 models
+  // round them, the activation and the product to bf16. Both activations are g * sigmoid(z): SiLU with z = g;
+  // Gemma's GeGLU gelu_tanh(g) = 0.5 g (1 + tanh(v)), v = sqrt(2 / pi) (g + 0.044715 g^3) (ATen's inner term),
+  // with z = 2 v: the same function without tanh's cancellation near 0
+  template <typename WT, typename XT, bool kGelu>
+  static void gated_mul(const float* g, const float* u, XT* out, int64_t n) {
     constexpr bool kBf = std::is_same<WT, bf16_t>::value;
     const float beta = float(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
       __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
       if (kBf) { gv = rbf16(gv); uv = rbf16(uv); }
-      const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
-      const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_fmadd_ps(_mm512_set1_ps(kappa), cube, gv));
-      const __m512 e = exp512(_mm512_mul_ps(_mm512_set1_ps(-2.f), inner));
-      __m512 ge = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-      ge = kBf ? rbf16(_mm512_mul_ps(rbf16(ge), uv)) : _mm512_mul_ps(ge, uv);
+      __m512 negz;
+      if constexpr (kGelu) {
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(gv, gv), gv);
+        const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_fmadd_ps(_mm512_set1_ps(kappa), cube, gv));
+        negz = _mm512_mul_ps(_mm512_set1_ps(-2.f), inner);
+      } else {
+        negz = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+      }
+      __m512 act = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(negz)));
+      act = kBf ? rbf16(_mm512_mul_ps(rbf16(act), uv)) : _mm512_mul_ps(act, uv);
       float r16[16];
-      _mm512_storeu_ps(r16, ge);
-      for (int e2 = 0; e2 < 16; e2++) stf<XT>(out, i + e2, r16[e2]);
+      _mm512_storeu_ps(r16, act);
+      for (int e = 0; e < 16; e++) stf<XT>(out, i + e, r16[e]);
     }
     for (; i < n; i++) {
-      const float gv = rnd<WT>(g[i]), inner = beta * (gv + kappa * gv * gv * gv);
-      stf<XT>(out, i, rnd<WT>(rnd<WT>(gv / (1.f + std::exp(-2.f * inner))) * rnd<WT>(u[i])));
+      const float gv = rnd<WT>(g[i]);
+      const float negz = kGelu ? -2.f * (beta * (gv + kappa * gv * gv * gv)) : -gv;
+      stf<XT>(out, i, rnd<WT>(rnd<WT>(gv / (1.f + std::exp(negz))) * rnd<WT>(u[i])));
     }
   }
+  template <typename WT, typename XT>
+  static void silu_mul(const float* g, const float* u, XT* out, int64_t n) { gated_mul<WT, XT, false>(g, u, out, n); }
+  template <typename WT, typename XT>
+  static void gelu_mul(const float* g, const float* u, XT* out, int64_t n) { gated_mul<WT, XT, true>(g, u, out, n); }
 
   // test hooks: the elementwise pieces on their own (float32 in, model dtype out)
   torch::Tensor test_silu_mul(torch::Tensor g, torch::Tensor u) const {
