@@ -44,7 +44,19 @@ def add_arguments(p):
 
 @torch.no_grad()
 def offline_agreement(target, head, sequences: list[tuple[list[int], int]], steps: int) -> dict:
-    """Teacher-forced scores of a head on (prompt + greedy answer ids, prompt length) sequences:
+    """Teacher-forced scores of a head on (prompt + greedy answer ids, prompt length) sequences, the target's
+    features computed here (see `score_sequences`)."""
+    from lanner.train.hass import target_features
+
+    return score_sequences(head, target.embed_tokens.weight, target.cfg.vocab_size,
+                           [(target_features(target, ids, head.cfg.feature_layers, topk=1)[0], ids, plen)
+                            for ids, plen in sequences], steps)
+
+
+@torch.no_grad()
+def score_sequences(head, embed_weight, vocab_size: int, sequences: list[tuple[torch.Tensor, list[int], int]],
+                    steps: int) -> dict:
+    """Scores of a head on (target features [>= T-1, 3h], ids [T], prompt length) sequences:
     agreement: (a) per chain step j, the share of answer positions where the head's top-1 (chained hidden states,
         as training-time test scores it) is the target's greedy token;
     coverage: (c) the share of answer tokens in the draft vocabulary;
@@ -52,16 +64,16 @@ def offline_agreement(target, head, sequences: list[tuple[list[int], int]], step
         token, the next chain after the accepted ones and the target's own token): acceptance per chain position
         and tau. It visits the positions live decoding visits, so it should equal (b) when serving feeds the head
         what training did."""
-    from lanner.train.hass import target_features, ttt_forward
+    from lanner.train.hass import ttt_forward
 
-    head = head.float()
-    embed = torch.nn.Embedding.from_pretrained(target.embed_tokens.weight.float(), freeze=True)
-    vocab = torch.zeros(target.cfg.vocab_size, dtype=torch.bool)
+    was_training = head.training
+    head = head.float().eval()
+    embed = torch.nn.Embedding.from_pretrained(embed_weight.float(), freeze=True)
+    vocab = torch.zeros(vocab_size, dtype=torch.bool)
     vocab[head.d2t] = True
     agree, count, covered, answered = [0] * steps, [0] * steps, 0, 0
     accepted_at, chains, emitted = [0] * steps, 0, 0
-    for ids, plen in sequences:
-        feats, _, _ = target_features(target, ids, head.cfg.feature_layers, topk=1)
+    for feats, ids, plen in sequences:
         t = torch.tensor(ids)
         n = len(ids) - 2  # positions p = 0..n-1 predict ids[p + 2]
         pos = torch.arange(n)
@@ -83,6 +95,7 @@ def offline_agreement(target, head, sequences: list[tuple[list[int], int]], step
             chains += 1
             emitted += a + 1
             p += a + 1
+    head.train(was_training)
     return {"agreement": [a / c if c else None for a, c in zip(agree, count)],
             "coverage": covered / max(1, answered),
             "replay_accept_at": [a / chains if chains else None for a in accepted_at],
