@@ -78,6 +78,11 @@ class EngineConfig:
     spec_max_batch: int = option(4, "spec", "speculate only while at most this many requests run")
     grammar_draft_tokens: int = option(8, "spec", "constrained requests draft up to this many tokens their grammar "
                                        "forces, with any --spec (the target verifies them); 0: off")
+    learn_draft: str | None = option(None, "spec", "continual learning: keep the target's verified features of "
+                                     "served requests in this folder, train the draft head on them in a "
+                                     "low-priority background process, and swap in a head that accepts more on "
+                                     "held-back recent traffic; a restart resumes from it (docs/draft-heads.md)",
+                                     metavar="DIR")
     ngram_min: int = option(1, "spec", "shortest n-gram the prompt-lookup proposer matches")
     ngram_max: int = option(4, "spec", "longest n-gram the prompt-lookup proposer matches")
     # ---- kernel plugins (lanner.plugins)
@@ -145,6 +150,12 @@ class EngineConfig:
             raise ValueError(f"draft: spec={self.spec!r} needs a draft model path")
         if self.draft and self.spec not in ("draft", "hybrid"):
             raise ValueError(f"draft: {self.draft!r} is given but spec={self.spec!r} does not use it; drop one of them")
+        if self.learn_draft is not None:
+            if self.spec not in ("draft", "hybrid"):
+                raise ValueError(f"learn_draft: trains the draft head; it needs spec='draft' or 'hybrid' with a "
+                                 f"head, not spec={self.spec!r}")
+            if self.tp > 1:
+                raise ValueError("learn_draft: continual learning runs with tp=1 only")
         if isinstance(self.spec_max_tokens, bool) or not isinstance(self.spec_max_tokens, int) or \
                 not 1 <= self.spec_max_tokens <= SPEC_MAX_TOKENS:
             raise ValueError(f"spec_max_tokens: must be an integer in 1..{SPEC_MAX_TOKENS}, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 import weakref
 
@@ -25,6 +26,7 @@ from lanner.models.quant import weight_bytes
 from lanner.plugins import Hardware, PluginVerifyError, StepKind
 from lanner.spec.draft_head import DraftHead, is_draft_head
 from lanner.spec.drafts import MTP, resolve_draft
+from lanner.spec.learn import DraftLearner, published_head
 from lanner.spec.mtp import MtpProposer, load_mtp
 from lanner.spec.hybrid import HybridProposer
 from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
@@ -133,6 +135,12 @@ class LLMEngine:
             suffix = SuffixProposer(max_depth=config.spec_max_tokens if config.spec_tree else 0)
             proposer = suffix if config.spec == "suffix" else HybridProposer(suffix, proposer, config.spec_tokens)
         self.spec = SpecDecoder(proposer, config, self.metrics)
+        if config.learn_draft is not None:
+            if draft_kind != "head":
+                raise ValueError(f"learn_draft: trains an EAGLE-style draft head; draft={config.draft!r} is not one")
+            self.spec.learner = DraftLearner(
+                config.learn_draft, draft_model, self.model.embed_tokens.weight,
+                {"base_head": resolve_draft(config.draft), "steps": config.spec_tokens, "parent_pid": os.getpid()})
 
     @property
     def proposer(self):
@@ -150,7 +158,10 @@ class LLMEngine:
             w, split_sizes(self.model_config.vocab_size, self.config.tp)))
 
     def close(self):
-        """Stops the tensor-parallel workers (a no-op at TP=1). The engine is unusable afterwards under TP."""
+        """Stops the tensor-parallel workers (a no-op at TP=1) and the learn-draft trainer. The engine is unusable
+        afterwards under TP."""
+        if self.spec.learner is not None:
+            self.spec.learner.close()
         if self.tp is not None:
             self.tp.close()
             if self.failed is None:
@@ -161,6 +172,8 @@ class LLMEngine:
         MTP layer, else ("model", standalone draft model). Built outside the tensor-parallel group: drafts run whole
         on rank 0. (An MtpLayer's KV bytes per token come from its kv_cache_shapes, like a draft model's.)"""
         path, tcfg = resolve_draft(self.config.draft), self.model_config
+        if self.config.learn_draft is not None:  # a restart serves the newest head it learned
+            path = published_head(self.config.learn_draft) or path
         with tp_disabled():
             if path == MTP:
                 return "mtp", load_mtp(self.source, self.model, self.config.torch_dtype, self.config.device)
@@ -280,6 +293,8 @@ class LLMEngine:
         """schedule -> propose drafts -> run the model -> verify / sample -> append tokens and emit outputs."""
         if self.failed is not None:
             raise TPError(str(self.failed))
+        if self.spec.learner is not None:  # between steps: a head the trainer published replaces the served one
+            self.spec.learner.poll()
         items = self._schedule()
         outputs = []
         for req in self.scheduler.refused:  # the KV system gave up on them (their error says why)

@@ -52,6 +52,7 @@ class SpecDecoder:
     def __init__(self, proposer, config, metrics):
         self.proposer, self.config, self.metrics = proposer, config, metrics
         self.states: dict[str, DraftState] = {}
+        self.learner = None  # lanner.spec.learn.DraftLearner under --learn-draft: keeps the verified features
 
     def state(self, req) -> DraftState:
         st = self.states.get(req.request_id)
@@ -120,6 +121,8 @@ class SpecDecoder:
         """The target's features of the request's newly verified positions (the draft head's input)."""
         st = self.state(req)
         st.features = rows if st.features is None else torch.cat([st.features, rows])
+        if self.learner is not None:
+            self.learner.keep(req, rows)
 
     def after_step(self, seconds: float):
         """A verify step's forward and verification took `seconds` (cost-aware proposers weigh it)."""
@@ -138,6 +141,8 @@ class SpecDecoder:
 
     def finish(self, req, reason: str):
         st = self.states.pop(req.request_id, None)
+        if self.learner is not None:
+            self.learner.finish(req, reason)
         if self.proposer is not None:
             # e.g. the suffix proposer keeps finished outputs to draft from (not an errored one's)
             self.proposer.finish(req, st or DraftState(), reason != "error")
