@@ -14,6 +14,7 @@ def add_bench(sub):
         fixed,
         kv,
         latency,
+        learn,
         memory,
         quant,
         replay,
@@ -26,11 +27,11 @@ def add_bench(sub):
                    "Measure Lanner's speed. Each benchmark prints a markdown table and writes a JSON file and "
                    "a PNG chart.")
     bench = p.add_subparsers(dest="benchmark",
-                             metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory,structured,quant}",
+                             metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory,structured,quant,learn}",
                              required=True)
     for module, name in ((latency, "latency"), (throughput, "throughput"), (replay, "replay"), (fixed, "fixed"),
                          (sessions, "make-sessions"), (kv, "kv"), (memory, "memory"), (structured, "structured"),
-                         (quant, "quant")):
+                         (quant, "quant"), (learn, "learn")):
         b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
         module.add_arguments(b)
         sweep = name in ("latency", "memory")  # these compare tensor-parallel sizes: --tp 1,2

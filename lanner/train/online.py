@@ -111,7 +111,7 @@ class OnlineTrainer:
                                       self.t2d, loss_from, s["ttt_steps"], s["step_decay"])
             (loss / s["grad_accum"]).backward()
             tokens += len(ids) - loss_from
-            losses.append(float(loss))
+            losses.append(loss.item())
             accs.append(acc[0])
             if (i + 1) % s["grad_accum"] == 0 or i + 1 == len(batch):
                 for g in self.opt.param_groups:
