@@ -237,16 +237,53 @@ def test_draft_model_structures(llm32_lowlat, extra, dtype, isa):
     assert plugin._kernel_for(draft) is not plugin._kernel  # the draft got its own kernel
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_avx2_build_is_bit_identical(dtype):
+    """isa="avx2" (lowlat built without AVX-512: csrc/avx2.h, as on an AVX2-only CPU) against the AVX-512F build:
+    the same logits, captured layers and KV bits for a mixed step (prefill chunk, verify rows, decode), with
+    Qwen3's q/k norm. (bf16 against the AVX-512F conversion path: AVX512_BF16 dot products sum differently.)"""
+    extra = {"qk_norm": True, "architecture": "Qwen3ForCausalLM", "head_dim": 32}
+    model = tiny_model(**extra).to(dtype)
+    c = model.cfg
+    outs = []
+    for isa in ("avx512f", "avx2"):
+        plugin = LowLatPlugin(threads=2, isa=isa)
+        hw = Hardware.detect("cpu", dtype)
+        plugin.check(c, hw)
+        plugin.build(model, c, hw)
+        kv = torch.zeros(c.num_layers, 2, 40 * 16, c.num_kv_heads, c.head_dim, dtype=dtype)
+        caches = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
+        steps = []
+        for q_lens, ctx_lens in (([17, 3], [17, 3]), ([4, 1], [21, 4])):
+            meta = build_attention_metadata(q_lens, ctx_lens, [[4, 5], [9]], 16, "cpu")
+            ids = torch.randint(0, 128, (sum(q_lens),), generator=torch.Generator().manual_seed(sum(ctx_lens)))
+            pos = torch.tensor([cl - ql + i for ql, cl in zip(q_lens, ctx_lens) for i in range(ql)])
+            with torch.inference_mode():
+                step = Step(StepKind.PREFILL if max(q_lens) > 8 else StepKind.VERIFY, len(ids), 2)
+                hidden, cap = plugin.forward(step, model, ids, pos, caches, meta, (0, 1))
+                steps.append((plugin.compute_logits(step, model, hidden), *cap))
+        outs.append((steps, kv))
+        assert plugin._load_extension().isa == ("avx2" if isa == "avx2" else "avx512")
+    (s1, kv1), (s2, kv2) = outs
+    assert all(torch.equal(a, b) for x, y in zip(s1, s2) for a, b in zip(x, y)) and torch.equal(kv1, kv2)
+
+
 def test_check_names_the_mismatch():
     cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16)
     flags = frozenset({"avx512f", "avx512_bf16"})
     plugin = LowLatPlugin()
     plugin.check(cfg, Hardware("cpu", torch.bfloat16, "test cpu", None, flags))
+    assert plugin.variant == "avx512"
     with pytest.raises(PluginMismatch, match="lowlat: CUDA path not built"):
         plugin.check(cfg, Hardware("cuda:0", torch.bfloat16, "GPU", (9, 0)))
-    with pytest.raises(PluginMismatch, match="avx512f"):
+    with pytest.raises(PluginMismatch, match="neither AVX-512F nor AVX2.*f16c"):
         plugin.check(cfg, Hardware("cpu", torch.bfloat16, "old cpu", None, frozenset({"avx2", "fma"})))
+    plugin.check(cfg, Hardware("cpu", torch.bfloat16, "avx2 cpu", None, frozenset({"avx2", "fma", "f16c"})))
+    assert plugin.variant == "avx2"  # an AVX2-only CPU gets the AVX2 build
+    with pytest.raises(PluginMismatch, match="lacks the avx512f flag"):
+        LowLatPlugin(isa="avx512f").check(cfg, Hardware("cpu", torch.bfloat16, "avx2 cpu", None,
+                                                        frozenset({"avx2", "fma", "f16c"})))
     plugin.check(cfg, Hardware("cpu", torch.float32, "test cpu", None, flags, tp_size=2))  # TP: tests/test_lowlat_tp.py
     with pytest.raises(PluginMismatch, match="float16"):
         plugin.check(cfg, Hardware("cpu", torch.float16, "test cpu", None, flags))

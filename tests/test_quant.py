@@ -249,3 +249,29 @@ def test_bad_gguf_files(tmp_path):
         open_gguf(write("q81.gguf", "llama", gguf.GGMLQuantizationType.Q8_1))
     with pytest.raises(UnsupportedModelError, match="'mamba'"):
         LLM(model=write("mamba.gguf", "mamba", gguf.GGMLQuantizationType.Q8_0), skip_tokenizer=True)
+
+
+@needs_avx512
+def test_avx2_build_is_bit_identical(models, plugins):
+    """isa="avx2" (lowlat built without AVX-512: csrc/avx2.h runs the kernels on 256-bit halves, as on an AVX2-only
+    CPU) computes the same bits as the AVX-512 build: stored Q4_1 / Q8_0 weights with float and q8 activations
+    (VNNI there, 16-bit pair sums here), float32 weights, and the K-quant GEMVs."""
+    stored, dense, cfg, _ = models
+    hw = Hardware.detect("cpu", torch.float32)
+    for act in ("float", "q8", "dense"):
+        p = LowLatPlugin(threads=1, isa="avx2", **({} if act == "dense" else {"act": act}))
+        p.check(cfg, hw)
+        model = dense if act == "dense" else stored
+        p.build(model, cfg, hw)
+        assert p._load_extension().isa == "avx2" and plugins[act]._load_extension().isa == "avx512"
+        kv_a, kv_b = _caches(cfg), _caches(cfg)
+        for rows in ([(PROMPT, 0, [0, 1, 2])], [([5000, 6, 7], 30, [0, 1, 2]), (list(range(9)), 0, [5])]):
+            got, want = _step(model, p, kv_a, rows), _step(model, plugins[act], kv_b, rows)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), act
+        for name in ("Q4_K", "Q6_K"):
+            if act == "dense":
+                continue
+            q = quant.repack(_random_k_blocks(name, 40, 512, 2), name, 512)
+            packed = [q["qs"], q["d"]] + ([q["m"]] if "m" in q else [])
+            x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
+            assert torch.equal(p._kernel.qlinear(x, packed, 40, True), plugins[act]._kernel.qlinear(x, packed, 40, True))

@@ -10,10 +10,13 @@ from pathlib import Path
 log = logging.getLogger("lanner")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "lowlat.cpp"]
-HEADERS = [CSRC / "quant.h"]  # included by lowlat.cpp: their hash goes into the flags so an edit rebuilds
+HEADERS = [CSRC / "quant.h", CSRC / "avx2.h"]  # included by lowlat.cpp: their hash goes into the flags so an edit rebuilds
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-_module = None
-compile_seconds: float | None = None  # wall time of the load() that built or found the extension
+# "avx512": the CPU's own instruction set; "avx2": AVX-512 switched off, so the kernels run on 256-bit halves
+# (csrc/avx2.h) as on an AVX2-only CPU (where "native" is that build anyway)
+VARIANT_FLAGS = {"avx512": [], "avx2": ["-mno-avx512f"]}
+_modules: dict = {}
+compile_seconds: float | None = None  # wall time of the last load() that built or found an extension
 
 
 def _cpu_key() -> str:
@@ -23,18 +26,20 @@ def _cpu_key() -> str:
     return hashlib.sha1((_cpu_name() + " ".join(sorted(_cpu_flags()))).encode()).hexdigest()[:8]
 
 
-def load():
-    """The extension module (compiled with torch.utils.cpp_extension.load into torch's extension cache,
-    ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR; rebuilt only when the sources change)."""
-    global _module, compile_seconds
-    if _module is None:
+def load(variant: str = "avx512"):
+    """The extension module of a variant (compiled with torch.utils.cpp_extension.load into torch's extension
+    cache, ~/.cache/torch_extensions or $TORCH_EXTENSIONS_DIR; rebuilt only when the sources change)."""
+    global compile_seconds
+    if variant not in _modules:
         from torch.utils.cpp_extension import load as cpp_load
 
         t0 = time.perf_counter()
         headers = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
-        _module = cpp_load(name=f"lanner_lowlat_{_cpu_key()}", sources=[str(s) for s in SOURCES],
-                           extra_cflags=[*CFLAGS, f"-DLOWLAT_HEADERS={headers}"], extra_ldflags=["-fopenmp"],
-                           verbose=os.environ.get("LANNER_LOWLAT_VERBOSE") == "1")
+        suffix = "" if variant == "avx512" else f"_{variant}"
+        _modules[variant] = cpp_load(
+            name=f"lanner_lowlat_{_cpu_key()}{suffix}", sources=[str(s) for s in SOURCES],
+            extra_cflags=[*CFLAGS, *VARIANT_FLAGS[variant], f"-DLOWLAT_HEADERS={headers}"],
+            extra_ldflags=["-fopenmp"], verbose=os.environ.get("LANNER_LOWLAT_VERBOSE") == "1")
         compile_seconds = time.perf_counter() - t0
-        log.info("lowlat: extension ready in %.1fs", compile_seconds)
-    return _module
+        log.info("lowlat: %s extension ready in %.1fs", variant, compile_seconds)
+    return _modules[variant]

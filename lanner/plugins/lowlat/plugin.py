@@ -38,7 +38,9 @@ class LowLatPlugin(Plugin):
         GEMV across 6-8 at a time;
     prefill_rows: the same for PREFILL / DRAFT_EXTEND steps (default 72; 0 leaves prefill to the engine);
     max_batch: most sequences per step (default 8);
-    isa: "auto" (AVX512_BF16 dot products when the CPU has them) or "avx512f" (bf16 -> fp32 shifts + FMA);
+    isa: "auto" (AVX-512, with AVX512_BF16 dot products when the CPU has them; AVX2 + FMA + F16C on a CPU without
+        AVX-512F), "avx512f" (bf16 -> fp32 shifts + FMA) or "avx2" (the AVX2 build: the same kernels on 256-bit
+        halves, bit-identical results; csrc/avx2.h);
     allreduce (tensor parallelism): "auto" (a memory segment shared by the ranks when they are on one host, else
         the process group), "shm" (the segment or a build error) or "group" (torch.distributed, gloo);
     timeout_s (tensor parallelism): the longest wait for another rank inside a step (default: half the engine's
@@ -88,8 +90,9 @@ class LowLatPlugin(Plugin):
             raise ValueError("plugin lowlat: prefill_rows must be in 0..256")
         if self.max_batch < 1:
             raise ValueError("plugin lowlat: max_batch must be >= 1")
-        if self.isa not in ("auto", "avx512f"):
-            raise ValueError(f"plugin lowlat: isa must be 'auto' or 'avx512f', got {self.isa!r}")
+        if self.isa not in ("auto", "avx512f", "avx2"):
+            raise ValueError(f"plugin lowlat: isa must be 'auto', 'avx512f' or 'avx2', got {self.isa!r}")
+        self.variant = "avx2" if self.isa == "avx2" else "avx512"  # which build of the extension; see check()
         if self.allreduce not in ("auto", "shm", "group"):
             raise ValueError(f"plugin lowlat: allreduce must be 'auto', 'shm' or 'group', got {self.allreduce!r}")
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -130,9 +133,15 @@ class LowLatPlugin(Plugin):
             raise PluginMismatch(f"lowlat: CUDA path not built (device {hardware.device}); lowlat runs on CPU only")
         if hardware.dtype not in (torch.bfloat16, torch.float32):
             raise PluginMismatch(f"lowlat: dtype {hardware.dtype} not supported; use bfloat16 or float32")
-        if "avx512f" not in hardware.cpu_flags:
-            raise PluginMismatch(f"lowlat: the CPU ({hardware.device_name or 'unknown'}) lacks the avx512f flag; "
-                                 "lowlat's kernels need AVX-512")
+        self.variant = "avx2" if self.isa == "avx2" or (self.isa == "auto" and "avx512f" not in hardware.cpu_flags) \
+            else "avx512"
+        if self.variant == "avx512" and "avx512f" not in hardware.cpu_flags:
+            raise PluginMismatch(f"lowlat: the CPU ({hardware.device_name or 'unknown'}) lacks the avx512f flag "
+                                 "that isa='avx512f' asks for")
+        missing = [f for f in ("avx2", "fma", "f16c") if f not in hardware.cpu_flags]
+        if self.variant == "avx2" and missing:
+            raise PluginMismatch(f"lowlat: the CPU ({hardware.device_name or 'unknown'}) has neither AVX-512F nor "
+                                 f"AVX2 + FMA + F16C (it lacks {', '.join(missing)})")
         if model_config.architecture not in self.architectures:
             raise PluginMismatch(f"lowlat: architecture {model_config.architecture} not supported; it runs "
                                  f"{list(self.architectures)}")
@@ -151,7 +160,7 @@ class LowLatPlugin(Plugin):
         from lanner.plugins.lowlat._ext import load
 
         try:
-            return load()  # cached in lanner.plugins.lowlat._ext (not kept here: the engine walks attributes)
+            return load(self.variant)  # cached in lanner.plugins.lowlat._ext (not here: the engine walks attributes)
         except Exception as e:
             raise PluginMismatch(f"lowlat: the C++ extension did not build ({type(e).__name__}: "
                                  f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); it needs g++ "

@@ -56,7 +56,7 @@
 #include <vector>
 
 #ifndef __AVX512F__
-#error "lowlat needs AVX-512F (compile with -march=native on an AVX-512 CPU)"
+#include "avx2.h"  // AVX2 + FMA + F16C: the same kernels on pairs of 256-bit halves
 #endif
 
 namespace lowlat {
@@ -1927,11 +1927,16 @@ struct Head {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("have_avx512_bf16") = lowlat::kHaveDot;
+#ifdef __AVX512F__
+  m.attr("isa") = "avx512";
+#else
+  m.attr("isa") = "avx2";
+#endif
   m.def("_set_prefetch", [](int64_t bytes, int64_t from_rows) {
     lowlat::g_prefetch = bytes;
     lowlat::g_prefetch_rows = int(from_rows);
   }, "GEMV L2 prefetch: distance in bytes (0: off), from how many activation rows on (0: per kernel kind)");
-  pybind11::class_<lowlat::Model>(m, "Model")
+  pybind11::class_<lowlat::Model>(m, "Model", pybind11::module_local())  // the AVX2 build loads beside it
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool, int64_t,
                           int64_t, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
                           std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -1969,7 +1974,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("dot", &lowlat::Model::dot)
       .def_readonly("nthreads", &lowlat::Model::nthreads)
       .def_readonly("max_rows", &lowlat::Model::max_rows);
-  pybind11::class_<lowlat::Head>(m, "Head")
+  pybind11::class_<lowlat::Head>(m, "Head", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool, int64_t, int64_t,
                           at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
