@@ -26,15 +26,6 @@ static inline __m256i lanes(unsigned bits) {
   const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   return _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(bits & 0xff)), sel), sel);
 }
-// bytes all-ones where a bit of `bits` is set (bit j: byte j)
-static inline __m256i bytes(uint32_t bits) {
-  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i sel = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
-  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), spread);
-  return _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
-}
-
 #define LW_F2(name, op) \
   static inline f512 name(f512 a, f512 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
 #define LW_I2(name, op) \
@@ -185,13 +176,7 @@ static inline void storeu_si512(void* p, i512 a) {
 static inline i512 slli_epi32(i512 a, int n) { return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
 static inline i512 srli_epi32(i512 a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
 static inline i512 abs_epi8(i512 a) { return {_mm256_abs_epi8(a.lo), _mm256_abs_epi8(a.hi)}; }
-static inline uint64_t movepi8_mask(i512 a) {
-  return uint64_t(uint32_t(_mm256_movemask_epi8(a.lo))) | (uint64_t(uint32_t(_mm256_movemask_epi8(a.hi))) << 32);
-}
-static inline i512 mask_sub_epi8(i512 src, uint64_t m, i512 a, i512 b) {
-  return {_mm256_blendv_epi8(src.lo, _mm256_sub_epi8(a.lo, b.lo), bytes(uint32_t(m))),
-          _mm256_blendv_epi8(src.hi, _mm256_sub_epi8(a.hi, b.hi), bytes(uint32_t(m >> 32)))};
-}
+static inline i512 sign_epi8(i512 a, i512 b) { return {_mm256_sign_epi8(a.lo, b.lo), _mm256_sign_epi8(a.hi, b.hi)}; }
 // 16 x 16-bit lanes, masked ones not read: the AVX512BW/VL load, for tails
 static inline __m256i maskz_loadu_epi16_256(unsigned m, const void* p) {
   alignas(32) uint16_t b[16] = {};
@@ -261,6 +246,4 @@ static inline __m256i maskz_loadu_epi16_256(unsigned m, const void* p) {
 #define _mm512_slli_epi32 lw::slli_epi32
 #define _mm512_srli_epi32 lw::srli_epi32
 #define _mm512_abs_epi8 lw::abs_epi8
-#define _mm512_movepi8_mask lw::movepi8_mask
-#define _mm512_mask_sub_epi8 lw::mask_sub_epi8
 #define _mm256_maskz_loadu_epi16 lw::maskz_loadu_epi16_256

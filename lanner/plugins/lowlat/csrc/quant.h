@@ -135,7 +135,9 @@ static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, 
       const __m512i wq = _mm512_xor_si512(raw, _mm512_set1_epi8((char)0x80));
 #else
       const __m512i wq = _mm512_abs_epi8(raw);
+#ifdef __AVX512F__
       const __mmask64 neg = _mm512_movepi8_mask(raw);
+#endif
 #endif
       const __m512 dw = lane_scales<KQ>(w, n, p);
       for (int r = 0; r < MB; r++) {
@@ -143,7 +145,11 @@ static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, 
 #ifdef __AVX512VNNI__
         const __m512i s = _mm512_dpbusd_epi32(_mm512_loadu_si512((const void*)(xr[r].nc + p * 16)), wq, xv);
 #else
+#ifdef __AVX512F__
         const __m512i xs = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
+#else  // AVX2's psignb: x negated where the code is negative (0 where it is 0, whose |code| is 0 anyway)
+        const __m512i xs = lw::sign_epi8(xv, raw);
+#endif
         const __m512i s = _mm512_madd_epi16(_mm512_maddubs_epi16(wq, xs), _mm512_set1_epi16(1));
 #endif
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xr[r].db + p * 16));
