@@ -191,4 +191,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C on the server's terminal reaches its whole process group
+        pass
