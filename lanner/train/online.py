@@ -28,7 +28,7 @@ from lanner.spec.learn import published_head, write_json_atomic
 
 DEFAULTS = {"threads": 1, "lr": 1e-4, "warmup_steps": 10, "grad_accum": 4, "grad_clip": 0.5, "ttt_steps": 4,
             "step_decay": 0.8, "round_samples": 8, "holdout": 16, "window": 512, "max_len": 1024, "keep_heads": 3,
-            "poll_s": 2.0, "steps": 3, "seed": 0}
+            "poll_s": 2.0, "steps": 3, "bf16": True, "seed": 0}
 
 
 def load_sample(path: str, max_len: int) -> tuple[torch.Tensor, list[int], int]:
@@ -107,8 +107,10 @@ class OnlineTrainer:
             top_i = torch.cat([t[1:], t.new_zeros(1)])[:, None]  # row p: the token after p (the last: unknown)
             top_p = torch.ones(len(ids), 1, dtype=torch.float16)
             top_p[-1] = 0
-            loss, _, acc = ttt_losses(self.student, self.embed, feats, t, top_i, top_p,
-                                      self.t2d, loss_from, s["ttt_steps"], s["step_decay"])
+            # bf16 autocast: 2.5x the tokens/s of float32 on this CPU (AVX512-BF16); weights and optimizer float32
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s["bf16"]):
+                loss, _, acc = ttt_losses(self.student, self.embed, feats, t, top_i, top_p,
+                                          self.t2d, loss_from, s["ttt_steps"], s["step_decay"])
             (loss / s["grad_accum"]).backward()
             tokens += len(ids) - loss_from
             losses.append(loss.item())
