@@ -5,6 +5,7 @@ import json
 import os
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -79,3 +80,12 @@ def test_learn_draft_from_served_traffic(tmp_path):
     again.close()
     resumed = OnlineTrainer(folder)
     assert resumed.version == version and len(resumed.seen) >= 8 and resumed.opt_steps > 0
+
+
+def test_learn_draft_needs_a_head(tmp_path):
+    from lanner.config import EngineConfig
+
+    with pytest.raises(ValueError, match="learn_draft: trains the draft head; it needs spec='draft' or 'hybrid'"):
+        EngineConfig(spec="ngram", learn_draft=str(tmp_path))
+    with pytest.raises(ValueError, match="learn_draft: continual learning runs with tp=1 only"):
+        EngineConfig(spec="draft", draft="default", learn_draft=str(tmp_path), tp=2)
