@@ -158,3 +158,35 @@ def test_features_are_stored_once_and_read_back(tmp_path):
     cached_features(target, rows[:3], str(tmp_path / "f"), [1, 2, 3], 4, shard_size=2)  # a subset: one new shard
     assert len(list((tmp_path / "f").iterdir())) == 4
     assert len(cached_features(None, rows, str(tmp_path / "f"), [1, 2, 3], 4, shard_size=2)) == 5
+
+
+def test_train_curve_config_learns_and_reports_cost(tmp_path):
+    """train-curve's per-configuration run on stored features: scored at the curve's points (tokens seen), held-out
+    first-token agreement rises, cost fields are filled; the MLP width option changes the head's size."""
+    from argparse import Namespace
+
+    from lanner.train.curve import parse_configs, train_config
+    from lanner.train.hass import TrainConfig, cached_features, training_rows
+
+    tiny_target(tmp_path / "target")
+    llm = LLM(model=str(tmp_path / "target"), dtype="float32", skip_tokenizer=True, kv_cache_memory="0.05GiB")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, V, (8,), generator=g).tolist() for _ in range(36)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    seqs = [{"prompt_ids": p, "output_ids": o.token_ids} for p, o in zip(prompts, outs)]
+    target = llm.engine.model
+    layers = [2, 3, 3]
+    cache = cached_features(target, training_rows(seqs[:30], 64), str(tmp_path / "f"), layers, 10)
+    held = {"held": [(f, i.tolist(), p) for f, i, _, _, p in
+                     cached_features(target, training_rows(seqs[30:], 64), str(tmp_path / "h"), layers, 1)]}
+    args = Namespace(seed=0, tokens=12_000, points=3, pack_tokens=192, eval_steps=3)
+    cfg = TrainConfig(ttt_steps=3, lr=3e-3, warmup_steps=3, grad_accum=1, bf16=False)
+    assert parse_configs("64x128,32x256") == [(64, 128), (32, 256)]
+    r = train_config(target, seqs[:30], cache, held, 64, 128, args, cfg)
+    assert [c["point"] for c in r["curve"]] == [0, 3000, 6000, 12_000]
+    assert all(c["tokens"] >= c["point"] for c in r["curve"]) and r["tokens"] >= 12_000
+    acc0 = [c["held"]["agreement"][0] for c in r["curve"]]
+    assert acc0[-1] > acc0[0] + 0.2, acc0
+    assert r["tokens_per_s"] > 0 and r["head_ms_per_token"] > 0 and r["train_s"] > 0
+    wide = train_config(target, seqs[:30], cache, held, 64, 256, Namespace(**{**vars(args), "tokens": 200}), cfg)
+    assert wide["params"] - r["params"] == 3 * 64 * 128  # gate, up and down projections one width wider

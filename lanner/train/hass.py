@@ -40,6 +40,8 @@ class TrainConfig:
     grad_accum: int = 4
     step_decay: float = 0.8  # loss weight of TTT step j is decay**j
     checkpoint_every: int = 200  # optimizer steps
+    bf16: bool = False  # bfloat16 autocast of the head's matmuls (weights, optimizer, loss stay float32): 2.3x
+    # tokens/s on a CPU with AVX512-BF16
     pack_tokens: int = 0  # > 0: sequences packed into forwards of up to this many tokens (grad_accum counts packs)
     seed: int = 0
 
@@ -379,8 +381,9 @@ def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConf
                    unit="batch")
         for i in bar:
             f, ids, ti, tp, lens, plens = collate([cache[k] for k in batches[i]], device)
-            loss, losses, acc = ttt_losses(head, embed, f, ids, ti, tp, t2d, plens, cfg.ttt_steps, cfg.step_decay,
-                                           lengths=lens)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss, losses, acc = ttt_losses(head, embed, f, ids, ti, tp, t2d, plens, cfg.ttt_steps,
+                                               cfg.step_decay, lengths=lens)
             (loss / (len(lens) * cfg.grad_accum)).backward()  # the mean over sequences, as one at a time gave
             train_tokens += sum(lens)
             loss_tokens += sum(L - p for L, p in zip(lens, plens))
