@@ -65,13 +65,14 @@ def test_training_raises_acceptance(tmp_path):
         assert abs(off["replay_accept_at"][0] - live_first[name]) < 0.03, (name, off, live_first)
         assert abs(off["replay_tau"] - taus[name]) < 0.05, (name, off, taus)
 
-    # --init: continued training starts from the given head (its weights and draft vocabulary), not a new one
+    # --init: continued training starts from the given head (its weights and draft vocabulary), not a new one;
+    # trained one sequence per forward, with bfloat16 autocast
     init = DraftHead.load(str(tmp_path / "random"))
     init.d2t.copy_(init.d2t.flip(0))  # a vocabulary order a fresh head would not pick
     init.save(str(tmp_path / "init"))
     cont = train_draft_head(target.engine.model, seqs[:8], str(tmp_path / "cont"),
                             TrainConfig(ttt_steps=2, epochs=1, lr=1e-3, warmup_steps=1, grad_accum=2,
-                                        checkpoint_every=10_000), init=str(tmp_path / "init"))
+                                        checkpoint_every=10_000, bf16=True), init=str(tmp_path / "init"))
     assert torch.equal(cont.d2t, init.d2t)
     assert json.loads((tmp_path / "cont" / "training.json").read_text())["cost"]["init"] == str(tmp_path / "init")
     changed = [n for n, p in cont.state_dict().items() if p.is_floating_point()
