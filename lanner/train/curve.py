@@ -50,6 +50,9 @@ def add_arguments(p):
                    help="time N sequences trained one at a time and packed, before the curves (0: skip)")
     p.add_argument("--no-bf16", action="store_true",
                    help="train in float32 (default: bfloat16 autocast of the head's matmuls, float32 weights and loss)")
+    p.add_argument("--reference", default="", metavar="HEADS",
+                   help="also score these trained heads on the held-out sets ('hass', 'default' or folders, "
+                        "comma-separated); --configs '' scores only them")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--prepare-only", action="store_true", help="compute and store the data and features, then stop")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the ShareGPT 90/10 split")
@@ -61,7 +64,7 @@ def add_arguments(p):
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
     out = []
-    for part in text.split(","):
+    for part in filter(None, (t.strip() for t in text.split(","))):
         try:
             v, w = part.lower().split("x")
             out.append((int(v), int(w)))
@@ -219,6 +222,15 @@ def train_config(target, sequences, cache, heldout, vocab: int, width: int, args
             "tokens_per_s": tokens / train_s, "head_ms_per_token": head_ms_per_token(head), "curve": curve}
 
 
+def _training_cost(path: str) -> dict | None:
+    """The cost record a head's training left beside it (training.json), if any."""
+    f = os.path.join(path, "training.json")
+    if not os.path.exists(f):
+        return None
+    with open(f) as fh:
+        return json.load(fh).get("cost")
+
+
 def run(args, engine_options: dict) -> dict:
     from lanner.llm import LLM
     from lanner.models.loader import load_config, load_model
@@ -266,8 +278,21 @@ def run(args, engine_options: dict) -> dict:
     if args.prepare_only:
         return {}
 
+    reference = {}
+    for name in filter(None, (t.strip() for t in args.reference.split(","))):
+        from lanner.spec.draft_head import DraftHead
+        from lanner.spec.drafts import resolve_draft
+        from lanner.train.eval_head import score_sequences
+
+        path = resolve_draft(name)
+        head = DraftHead.load(path)
+        reference[name] = {"path": path, "vocab": head.cfg.draft_vocab_size, "width": head.cfg.intermediate_size,
+                           "params": sum(p.numel() for p in head.parameters()),
+                           "training": _training_cost(path),
+                           **{k: score_sequences(head, target.embed_tokens.weight, target.cfg.vocab_size, v,
+                                                 args.eval_steps) for k, v in held.items()}}
     packing = measure_packing(target, sequences, cache, cfg, args.measure_packing, args.pack_tokens) \
-        if args.measure_packing else None
+        if args.measure_packing and configs else None
     if packing:
         print("training tokens/s: " + ", ".join(f"{k} {v['tokens_per_s']:.0f}" for k, v in packing.items()
                                                 if isinstance(v, dict)) + f" (packs of {args.pack_tokens} tokens)",
@@ -280,9 +305,19 @@ def run(args, engine_options: dict) -> dict:
               "threads": torch.get_num_threads(), "train_sequences": len(cache),
               "train_tokens_available": sum(len(c[1]) for c in cache), "feature_dtype": args.feature_dtype,
               "bf16_autocast": cfg.bf16, "feature_s": feature_s, "heldout_s": heldout_s, "heldout": {k: len(v) for k, v in held.items()},
-              "packing": packing, "configs": results}
+              "packing": packing, "configs": results, "reference": reference}
     report.write_json(json_path, result)
     names = list(held)
+    if reference:
+        print(report.markdown_table(["reference head", "vocab x width"] + [f"{n} acc0" for n in names] +
+                                    [f"{n} tau" for n in names],
+                                    [[k, f"{r['vocab']}x{r['width']}"] + [report.fmt(r[n]["agreement"][0], 3)
+                                                                          for n in names] +
+                                     [report.fmt(r[n]["replay_tau"], 2) for n in names]
+                                     for k, r in reference.items()]))
+    if not results:
+        print(f"\nwrote {json_path}")
+        return result
     x = [c["point"] for c in results[0]["curve"][1:]]  # nominal points (each run passes them by < one pack)
     series = {}
     for r in results:
