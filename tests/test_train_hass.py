@@ -30,13 +30,18 @@ def test_training_raises_acceptance(tmp_path):
     prompts = [torch.randint(0, V, (8,), generator=g).tolist() for _ in range(48)]
     outs = target.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
     seqs = [{"prompt_ids": p, "output_ids": o.token_ids} for p, o in zip(prompts, outs)]
-    cfg = TrainConfig(ttt_steps=3, epochs=6, lr=3e-3, warmup_steps=5, grad_accum=2, draft_vocab_size=V,
-                      checkpoint_every=10_000)
+    # packed: two 56-token sequences per forward and optimizer step (the --init run below trains unpacked)
+    cfg = TrainConfig(ttt_steps=3, epochs=6, lr=3e-3, warmup_steps=5, grad_accum=1, draft_vocab_size=V,
+                      checkpoint_every=10_000, pack_tokens=112)
     head = train_draft_head(target.engine.model, seqs[:40], str(tmp_path / "head"), cfg)
     import json
     hist = json.load(open(tmp_path / "head" / "training.json"))["history"]
     assert hist[-1]["step_losses"][0] < 0.7 * hist[0]["step_losses"][0]
     assert (tmp_path / "head" / "loss.png").exists()
+    cost = json.load(open(tmp_path / "head" / "training.json"))["cost"]
+    assert cost["train_tokens_processed"] == 6 * 40 * 56 and cost["train_tokens_per_s"] > 0
+    assert len(hist) == 6 * 20  # one optimizer step per pack of two
+    assert len(list((tmp_path / "head" / "features").iterdir())) == 1  # 40 rows: one stored shard
     assert isinstance(DraftHead.load(str(tmp_path / "head")), DraftHead) and head.cfg.feature_layers == [2, 3, 3]
 
     random_draft_head(target.engine.model_config, V, seed=3).save(str(tmp_path / "random"))
@@ -60,16 +65,129 @@ def test_training_raises_acceptance(tmp_path):
         assert abs(off["replay_accept_at"][0] - live_first[name]) < 0.03, (name, off, live_first)
         assert abs(off["replay_tau"] - taus[name]) < 0.05, (name, off, taus)
 
-    # --init: continued training starts from the given head (its weights and draft vocabulary), not a new one
+    # --init: continued training starts from the given head (its weights and draft vocabulary), not a new one;
+    # trained one sequence per forward, with bfloat16 autocast
     init = DraftHead.load(str(tmp_path / "random"))
     init.d2t.copy_(init.d2t.flip(0))  # a vocabulary order a fresh head would not pick
     init.save(str(tmp_path / "init"))
     cont = train_draft_head(target.engine.model, seqs[:8], str(tmp_path / "cont"),
                             TrainConfig(ttt_steps=2, epochs=1, lr=1e-3, warmup_steps=1, grad_accum=2,
-                                        checkpoint_every=10_000), init=str(tmp_path / "init"))
+                                        checkpoint_every=10_000, bf16=True), init=str(tmp_path / "init"))
     assert torch.equal(cont.d2t, init.d2t)
     assert json.loads((tmp_path / "cont" / "training.json").read_text())["cost"]["init"] == str(tmp_path / "init")
     changed = [n for n, p in cont.state_dict().items() if p.is_floating_point()
                and not torch.equal(p, init.state_dict()[n])]
     assert changed and all(torch.allclose(p, init.state_dict()[n], atol=0.05) for n, p in cont.state_dict().items()
                            if p.is_floating_point())  # a few small steps away from the init, not a fresh head
+
+
+def _random_head(vocab=48, seed=0):
+    from lanner.spec.draft_head import DraftHeadConfig
+
+    torch.manual_seed(seed)
+    head = DraftHead(DraftHeadConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                                     target_vocab_size=V, draft_vocab_size=vocab, feature_layers=[1, 2, 3]))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(std=0.2)  # large enough that a wrong mask, position or shift changes the logits
+        head.d2t.copy_(torch.randperm(V)[:vocab])
+    return head
+
+
+def test_packed_batch_equals_sequences_one_at_a_time():
+    """Three sequences packed into one TTT forward (block-diagonal attention, positions restarting, the chained
+    hidden shifted within each sequence, per-sequence loss masks) give each sequence's logits, losses, accuracies
+    and gradient as running it alone."""
+    from lanner.train.hass import target_to_draft, ttt_forward, ttt_losses
+
+    head = _random_head()
+    embed = torch.nn.Embedding(V, 64)
+    t2d = target_to_draft(head, V)
+    g = torch.Generator().manual_seed(1)
+    seqs = []
+    for L, plen in ((11, 3), (7, 5), (14, 2)):  # unequal lengths; the 2nd has a single loss position at step 0
+        probs = torch.rand(L, V, generator=g).softmax(-1)
+        tp, ti = probs.topk(5, dim=-1)
+        seqs.append((torch.randn(L, 192, generator=g), torch.randint(0, V, (L,), generator=g), ti.int(), tp.half(),
+                     plen))
+    steps = 4
+    cat = [torch.cat([s[k] for s in seqs]) for k in range(4)]
+    lengths, plens = [len(s[1]) for s in seqs], [s[4] for s in seqs]
+
+    packed = list(ttt_forward(head, embed, cat[0], cat[1], steps, lengths))
+    alone = [list(ttt_forward(head, embed, s[0], s[1], steps)) for s in seqs]
+    for j in range(steps):
+        assert torch.allclose(packed[j], torch.cat([a[j] for a in alone]), atol=1e-5), j
+
+    head.zero_grad()
+    total, losses, acc = ttt_losses(head, embed, *cat, t2d, plens, steps, 0.8, lengths=lengths)
+    (total / 3).backward()
+    grad_packed = [p.grad.clone() for p in head.parameters()]
+    head.zero_grad()
+    ref_total = 0.0
+    for i, s in enumerate(seqs):
+        t, l1, a1 = ttt_losses(head, embed, *s[:4], t2d, s[4], steps, 0.8)
+        (t / 3).backward()
+        ref_total += float(t.detach())
+        assert torch.allclose(torch.tensor([x[i] for x in losses]), torch.tensor(l1), atol=1e-5)
+        assert [x[i] for x in acc] == a1
+    assert abs(float(total.detach()) - ref_total) < 1e-4
+    for gp, p in zip(grad_packed, head.parameters()):
+        assert torch.allclose(gp, p.grad, atol=1e-6)
+
+
+def test_features_are_stored_once_and_read_back(tmp_path):
+    """cached_features writes compact shards (bf16 / int32 / fp16) and a later call over the same rows reads them
+    without running the target; other rows get shards of their own."""
+    from lanner.train.hass import cached_features, target_features
+
+    tiny_target(tmp_path / "target")
+    target = LLM(model=str(tmp_path / "target"), dtype="float32", skip_tokenizer=True,
+                 kv_cache_memory="0.05GiB").engine.model
+    g = torch.Generator().manual_seed(2)
+    rows = [(torch.randint(0, V, (n,), generator=g).tolist(), 3) for n in (9, 12, 7, 10, 8)]
+    first = cached_features(target, rows, str(tmp_path / "f"), [1, 2, 3], 4, shard_size=2)
+    assert len(list((tmp_path / "f").iterdir())) == 3
+    again = cached_features(None, rows, str(tmp_path / "f"), [1, 2, 3], 4, shard_size=2)  # no target: disk only
+    f, ti, tp = target_features(target, rows[3][0], [1, 2, 3], 4)
+    got = again[3]
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.int32 and got[3].dtype == torch.float16
+    assert torch.equal(got[0], f.bfloat16()) and torch.equal(got[2], ti) and torch.equal(got[3], tp)
+    assert got[1].tolist() == rows[3][0] and got[4] == 3
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again))
+    cached_features(target, rows[:3], str(tmp_path / "f"), [1, 2, 3], 4, shard_size=2)  # a subset: one new shard
+    assert len(list((tmp_path / "f").iterdir())) == 4
+    assert len(cached_features(None, rows, str(tmp_path / "f"), [1, 2, 3], 4, shard_size=2)) == 5
+
+
+def test_train_curve_config_learns_and_reports_cost(tmp_path):
+    """train-curve's per-configuration run on stored features: scored at the curve's points (tokens seen), held-out
+    first-token agreement rises, cost fields are filled; the MLP width option changes the head's size."""
+    from argparse import Namespace
+
+    from lanner.train.curve import parse_configs, train_config
+    from lanner.train.hass import TrainConfig, cached_features, training_rows
+
+    tiny_target(tmp_path / "target")
+    llm = LLM(model=str(tmp_path / "target"), dtype="float32", skip_tokenizer=True, kv_cache_memory="0.05GiB")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, V, (8,), generator=g).tolist() for _ in range(36)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    seqs = [{"prompt_ids": p, "output_ids": o.token_ids} for p, o in zip(prompts, outs)]
+    target = llm.engine.model
+    layers = [2, 3, 3]
+    cache = cached_features(target, training_rows(seqs[:30], 64), str(tmp_path / "f"), layers, 10)
+    held = {"held": [(f, i.tolist(), p) for f, i, _, _, p in
+                     cached_features(target, training_rows(seqs[30:], 64), str(tmp_path / "h"), layers, 1)]}
+    args = Namespace(seed=0, tokens=12_000, points=3, pack_tokens=192, eval_steps=3)
+    cfg = TrainConfig(ttt_steps=3, lr=3e-3, warmup_steps=3, grad_accum=1, bf16=False)
+    assert parse_configs("64x128,32x256") == [(64, 128), (32, 256)]
+    r = train_config(target, seqs[:30], cache, held, 64, 128, args, cfg)
+    assert [c["point"] for c in r["curve"]] == [0, 3000, 6000, 12_000]
+    assert all(c["tokens"] >= c["point"] for c in r["curve"]) and r["tokens"] >= 12_000
+    acc0 = [c["held"]["agreement"][0] for c in r["curve"]]
+    assert acc0[-1] > acc0[0] + 0.2, acc0
+    assert r["tokens_per_s"] > 0 and r["head_ms_per_token"] > 0 and r["train_s"] > 0
+    wide = train_config(target, seqs[:30], cache, held, 64, 256, Namespace(**{**vars(args), "tokens": 200}), cfg)
+    assert wide["params"] - r["params"] == 3 * 64 * 128  # gate, up and down projections one width wider

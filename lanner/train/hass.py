@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -39,6 +40,9 @@ class TrainConfig:
     grad_accum: int = 4
     step_decay: float = 0.8  # loss weight of TTT step j is decay**j
     checkpoint_every: int = 200  # optimizer steps
+    bf16: bool = False  # bfloat16 autocast of the head's matmuls (weights, optimizer, loss stay float32): 2.3x
+    # tokens/s on a CPU with AVX512-BF16
+    pack_tokens: int = 0  # > 0: sequences packed into forwards of up to this many tokens (grad_accum counts packs)
     seed: int = 0
 
 
@@ -61,6 +65,103 @@ def target_features(model, ids: list[int], layers: list[int], topk: int, block_s
     return torch.cat(captured, dim=-1).cpu(), top_i.int().cpu(), top_p.half().cpu()
 
 
+def training_rows(sequences: list[dict], max_len: int) -> list[tuple[list[int], int]]:
+    """(prompt + response ids cut to max_len, prompt length) of the sequences with at least 4 response tokens
+    left: the rows features are computed for and training runs over."""
+    rows = []
+    for s in sequences:
+        ids = (s["prompt_ids"] + s["output_ids"])[:max_len]
+        if len(ids) - len(s["prompt_ids"]) >= 4:
+            rows.append((ids, len(s["prompt_ids"])))
+    return rows
+
+
+def feature_cache_dir(data_dir: str, model: str, layers: list[int], topk: int, max_len: int, dtype) -> str:
+    """<data_dir>/features-<hash>: one folder per target, feature layers, top-K, length cap and the dtype the
+    target ran in (all change the stored values)."""
+    key = json.dumps([model, list(layers), topk, max_len, str(dtype)])
+    return os.path.join(data_dir, "features-" + hashlib.sha1(key.encode()).hexdigest()[:12])
+
+
+def _read_shard(path: str, rows: list[tuple[list[int], int]]):
+    """The shard's sequences if it holds exactly `rows` (same ids, same prompt lengths), else None."""
+    from safetensors.torch import load_file
+
+    if not os.path.exists(path):
+        return None
+    t = load_file(path)
+    lengths, plens = t["lengths"].tolist(), t["plens"].tolist()
+    if plens != [p for _, p in rows] or lengths != [len(i) for i, _ in rows] or \
+            t["ids"].tolist() != [x for i, _ in rows for x in i]:
+        return None  # another data set or length cap wrote it: recompute
+    out, a = [], 0
+    for L, p in zip(lengths, plens):
+        out.append((t["feats"][a : a + L], t["ids"][a : a + L].long(), t["top_i"][a : a + L], t["top_p"][a : a + L], p))
+        a += L
+    return out
+
+
+def cached_features(target, rows: list[tuple[list[int], int]], folder: str, layers: list[int], topk: int,
+                    shard_size: int = 64, desc: str = "target features") -> list[tuple]:
+    """Target features of `rows` ((ids, prompt length), see training_rows), computed once and kept in `folder`
+    as safetensors shards of `shard_size` consecutive rows: features bfloat16 (the head is insensitive to their
+    precision: lanner eval-head), top-K ids int32, top-K probabilities float16. Shards already written for the
+    same rows are read back, so an interrupted run resumes and later runs (train-curve) reuse them.
+    Returns [(features [T, 3h] bf16, ids [T] long, top-K ids [T, K] int32, top-K probs [T, K] fp16, prompt len)]."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    out = []
+    bar = tqdm(total=len(rows), desc=desc, unit="seq")
+    for s0 in range(0, len(rows), shard_size):
+        chunk = rows[s0 : s0 + shard_size]
+        # named by content: runs over other rows (a subset, another length cap) add shards, never overwrite
+        digest = hashlib.sha1(json.dumps(chunk).encode()).hexdigest()[:16]
+        path = os.path.join(folder, f"shard-{s0 // shard_size:05d}-{digest}.safetensors")
+        got = _read_shard(path, chunk)
+        if got is None:
+            got = []
+            for ids, plen in chunk:
+                f, ti, tp = target_features(target, ids, layers, topk)
+                got.append((f.to(torch.bfloat16), torch.tensor(ids), ti, tp, plen))
+                bar.update(1)
+            tensors = {"feats": torch.cat([g[0] for g in got]), "ids": torch.cat([g[1] for g in got]).int(),
+                       "top_i": torch.cat([g[2] for g in got]), "top_p": torch.cat([g[3] for g in got]),
+                       "lengths": torch.tensor([len(i) for i, _ in chunk]), "plens": torch.tensor([p for _, p in chunk])}
+            save_file({k: v.contiguous() for k, v in tensors.items()}, path + ".tmp")
+            os.replace(path + ".tmp", path)  # a shard is whole or absent, even if the run is killed mid-write
+        else:
+            bar.update(len(chunk))
+        out.extend(got)
+    bar.close()
+    return out
+
+
+def pack_batches(lengths: list[int], order: list[int], pack_tokens: int) -> list[list[int]]:
+    """`order` cut into consecutive groups of at most pack_tokens tokens (a longer sequence goes alone);
+    pack_tokens <= 0: one sequence per batch."""
+    if pack_tokens <= 0:
+        return [[i] for i in order]
+    packs, cur, size = [], [], 0
+    for i in order:
+        if cur and size + lengths[i] > pack_tokens:
+            packs.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += lengths[i]
+    if cur:
+        packs.append(cur)
+    return packs
+
+
+def collate(items: list[tuple], device) -> tuple:
+    """Cached sequences -> (features float32, ids, top-K ids, top-K probs, lengths, prompt lengths), end to end."""
+    cat = (lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs))
+    return (cat([x[0] for x in items]).to(device).float(), cat([x[1] for x in items]).to(device),
+            cat([x[2] for x in items]).to(device), cat([x[3] for x in items]).to(device),
+            [len(x[1]) for x in items], [x[4] for x in items])
+
+
 def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch.Tensor:
     """The `size` most frequent target tokens of the responses (what the head must predict), by frequency."""
     counts = Counter()
@@ -75,58 +176,103 @@ def draft_vocabulary(sequences: list[dict], size: int, vocab_size: int) -> torch
 
 # ---------------------------------------------------------------- the TTT forward
 
-def ttt_forward(head: DraftHead, embed, feats, ids, steps: int):
+def _pack_index(lengths: list[int], device):
+    """Head rows of sequences of `lengths` laid end to end (sequence i holds L_i - 1 rows): per row its position
+    within its sequence (RoPE restarts), its flat index into the concatenated features / ids (feature row `cur`,
+    token row `cur + 1`), and the first row of each sequence."""
+    n = torch.tensor([L - 1 for L in lengths], device=device)
+    starts = torch.cumsum(n, 0) - n  # first head row of each sequence
+    offsets = torch.cumsum(torch.tensor(lengths, device=device), 0) - torch.tensor(lengths, device=device)
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=device), n)
+    pos = torch.arange(int(n.sum()), device=device) - starts[seg]
+    return pos, offsets[seg] + pos, starts, n
+
+
+def _ttt_mask(n: int, j: int, device) -> torch.Tensor:
+    """Step j of one sequence of n head rows: query p reads the target-context keys q' <= p - j, then the head's
+    own keys from steps 1..j on the diagonal p - j + i; rows with no key (p < j, no loss) read key 0."""
+    pos = torch.arange(n, device=device)
+    qi = pos[:, None]
+    mask = torch.cat([pos[None, :] <= qi - j] + [pos[None, :] == qi - j + i for i in range(1, j + 1)], dim=1)
+    mask[:, 0] |= ~mask.any(1)
+    return mask
+
+
+def ttt_forward(head: DraftHead, embed, feats, ids, steps: int, lengths: list[int] | None = None):
     """Yields, for TTT steps j = 0..steps-1, the head's draft-vocabulary logits [n, Vd] at every position
     p = 0..n-1 (n = T-1): step j at p is the j-th chained proposal of a chain started at p - j, i.e. the
-    prediction of ids[p + 2] that inference makes j steps after the target's features at p - j."""
-    n = ids.shape[0] - 1
-    pos = torch.arange(n, device=ids.device)
-    tok_emb = embed(ids[1:])
-    hidden = head.fuse(feats[:n])
+    prediction of ids[p + 2] that inference makes j steps after the target's features at p - j.
+
+    lengths (packing): feats and ids hold several sequences end to end, of these lengths; the logits are then the
+    sequences' rows end to end (L_i - 1 each), each sequence exactly as if run alone. The linear layers (the bulk
+    of the work) run on all rows at once; attention is block-diagonal, computed block by block (a dense mask over
+    the whole pack would make its cost quadratic in the pack size instead of in the sequence length)."""
+    lengths = [ids.shape[0]] if lengths is None else list(lengths)
+    pos, cur, starts, n_rows = _pack_index(lengths, ids.device)
+    tok_emb = embed(ids[cur + 1])
+    hidden = head.fuse(feats[cur])
+    sizes = n_rows.tolist()
+    masks = {}
     keys, values, out = [], [], None
     for j in range(steps):
-        if j > 0:  # the head's own output at p-1 stands in for the target features at p
+        if j > 0:  # the head's own output at p-1 stands in for the target features at p (zero at each p = 0)
             hidden = torch.cat([hidden.new_zeros(1, hidden.shape[1]), out[:-1]], dim=0)
+            if len(sizes) > 1:
+                hidden = hidden.index_fill(0, starts, 0.0)
         q, k, v = head.qkv(hidden, tok_emb, pos)
         keys.append(k)
         values.append(v)
-        # step j, query p: target-context keys q' <= p - j, then the head's own keys from steps 1..j on the
-        # diagonal p - j + i
-        qi = pos[:, None]
-        masks = [pos[None, :] <= qi - j] + [pos[None, :] == qi - j + i for i in range(1, j + 1)]
-        mask = torch.cat(masks, dim=1)
-        mask[:, 0] |= ~mask.any(1)  # rows with no key (p < j) attend to something; they carry no loss
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], torch.cat(keys).transpose(0, 1)[None], torch.cat(values).transpose(0, 1)[None],
-            attn_mask=mask[None, None], scale=head.scale, enable_gqa=True)
-        attn = attn[0].transpose(0, 1).reshape(n, -1)
+        parts, a = [], 0
+        for n in sizes:
+            if (n, j) not in masks:
+                masks[n, j] = _ttt_mask(n, j, ids.device)
+            # this sequence's keys of every step so far, step-major as the mask's columns
+            ks = torch.cat([kk[a : a + n] for kk in keys]).transpose(0, 1)[None]
+            vs = torch.cat([vv[a : a + n] for vv in values]).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q[a : a + n].transpose(0, 1)[None], ks, vs,
+                                               attn_mask=masks[n, j][None, None], scale=head.scale, enable_gqa=True)
+            parts.append(o[0].transpose(0, 1).reshape(n, -1))
+            a += n
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
         logits, out = head.post(hidden, attn)
         yield logits
 
 
-def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from: int, steps: int, decay: float):
+def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from, steps: int, decay: float,
+               lengths: list[int] | None = None):
     """feats [T, 3h] (target, positions 0..T-1), ids [T], top_i/top_p [T, K] (target distribution of the token
-    after each position). Returns (total loss, per-step losses, per-step top-1 accuracy)."""
-    T = ids.shape[0]
-    n = T - 1  # head positions p = 0..T-2 take (f_p, x_{p+1}) and predict x_{p+2} ~ target distribution at p+1
-    pos = torch.arange(n, device=ids.device)
-    # target distribution at p+1, restricted to the draft vocabulary and renormalized
-    d_ids = t2d[top_i[1:].long()]  # [n, K] draft ids, -1 where the draft vocabulary lacks the token
+    after each position). Returns (total loss, per-step losses, per-step top-1 accuracy).
+
+    lengths (packing, see ttt_forward): several sequences end to end, loss_from a list (each one's prompt
+    length). Then total is the sum of the sequences' own totals (divide by their number for the mean a loop over
+    them gives), and per step the losses and accuracies are lists, one value per sequence."""
+    packed = lengths is not None
+    lengths = [ids.shape[0]] if lengths is None else list(lengths)
+    loss_from = list(loss_from) if packed else [loss_from]
+    S = len(lengths)
+    pos, cur, _, n_rows = _pack_index(lengths, ids.device)
+    # head row p takes (f_p, x_{p+1}) and predicts x_{p+2} ~ the target distribution at p+1: restricted to the
+    # draft vocabulary and renormalized
+    d_ids = t2d[top_i[cur + 1].long()]  # [N, K] draft ids, -1 where the draft vocabulary lacks the token
     best = d_ids[:, 0]  # the target's top-1 (-1 when outside the draft vocabulary: never matched)
-    w = top_p[1:].float() * (d_ids >= 0)
+    w = top_p[cur + 1].float() * (d_ids >= 0)
     w_sum = w.sum(-1, keepdim=True)
-    valid = (w_sum[:, 0] > 0) & (pos >= loss_from - 2)  # only positions that predict response tokens
+    seg = torch.repeat_interleave(torch.arange(S, device=ids.device), n_rows)
+    lf = torch.tensor(loss_from, device=ids.device)[seg]
+    valid = (w_sum[:, 0] > 0) & (pos >= lf - 2)  # only positions that predict response tokens
     w = w / w_sum.clamp_min(1e-9)
     d_ids = d_ids.clamp_min(0)
     total, step_losses, step_acc = 0.0, [], []
-    for j, logits in enumerate(ttt_forward(head, embed, feats, ids, steps)):
+    for j, logits in enumerate(ttt_forward(head, embed, feats, ids, steps, lengths if packed else None)):
         logp = logits.float().log_softmax(-1)
-        ok = valid & (pos >= j)
+        ok = (valid & (pos >= j)).float()
         loss_rows = -(w * logp.gather(-1, d_ids)).sum(-1)
-        loss = (loss_rows * ok).sum() / ok.sum().clamp_min(1)
-        total = total + (decay ** j) * loss
-        step_losses.append(loss.item())
-        step_acc.append(float(((logp.argmax(-1) == best) & ok).sum() / ok.sum().clamp_min(1)))
+        count = torch.zeros(S, device=ids.device).index_add_(0, seg, ok).clamp_min(1)
+        loss = torch.zeros(S, device=ids.device).index_add_(0, seg, loss_rows * ok) / count  # per sequence
+        hit = torch.zeros(S, device=ids.device).index_add_(0, seg, (logp.argmax(-1) == best).float() * ok) / count
+        total = total + (decay ** j) * loss.sum()
+        step_losses.append(loss.tolist() if packed else loss.item())
+        step_acc.append(hit.tolist() if packed else float(hit[0]))
     return total, step_losses, step_acc
 
 
@@ -150,75 +296,97 @@ def save_train_state(out_dir: str, head, opt, step: int, history: list, epoch: i
                 "epoch": epoch, "index": index, "config": asdict(cfg)}, os.path.join(out_dir, "train_state.pt"))
 
 
+def new_head(target, sequences: list[dict], draft_vocab_size: int, intermediate_size: int | None = None) -> DraftHead:
+    """A fresh float32 head for `target` on its device: draft vocabulary = the most frequent response tokens,
+    final norm and output rows copied from the target; intermediate_size: the MLP width (default the target's)."""
+    tcfg = target.cfg
+    device = target.embed_tokens.weight.device
+    hcfg = DraftHeadConfig.for_target(tcfg, draft_vocab_size)
+    if intermediate_size:
+        hcfg.intermediate_size = intermediate_size
+    d2t = draft_vocabulary(sequences, hcfg.draft_vocab_size, tcfg.vocab_size)
+    head = DraftHead(hcfg)
+    with torch.no_grad():
+        head.d2t.copy_(d2t)
+        head.norm.weight.copy_(target.norm.weight.float())
+        lm = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+        head.lm_head.weight.copy_(lm[d2t].float())
+    head = head.to(device)
+    head.init_rotary(device)
+    return head
+
+
+def target_to_draft(head: DraftHead, vocab_size: int) -> torch.Tensor:
+    """[target vocab] -> draft id, -1 outside the draft vocabulary."""
+    t2d = torch.full((vocab_size,), -1, dtype=torch.long, device=head.d2t.device)
+    t2d[head.d2t] = torch.arange(len(head.d2t), device=head.d2t.device)
+    return t2d
+
+
+def lr_schedule(cfg: TrainConfig, total_steps: int):
+    def lr_at(step):  # linear warmup, cosine decay to 10%
+        if step < cfg.warmup_steps:
+            return cfg.lr * (step + 1) / cfg.warmup_steps
+        prog = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
+    return lr_at
+
+
 def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConfig, resume: bool = True,
-                     log=print, init: str | None = None) -> DraftHead:
+                     log=print, init: str | None = None, feature_dir: str | None = None) -> DraftHead:
     """target: the loaded target model (LlamaModel); sequences: [{"prompt_ids", "output_ids"}]; init: a head
-    folder to continue from (its draft vocabulary is kept), else a new head started from the target's rows."""
+    folder to continue from (its draft vocabulary is kept), else a new head started from the target's rows;
+    feature_dir: where the target features are stored (cached_features; default out_dir/features)."""
     torch.manual_seed(cfg.seed)
     os.makedirs(out_dir, exist_ok=True)
     tcfg = target.cfg
     device = target.embed_tokens.weight.device  # the head trains in float32 where the target runs
     if init is not None:
         head = DraftHead.load(init, torch.float32, device).requires_grad_(True)
-        hcfg, d2t = head.cfg, head.d2t.clone()
+        hcfg = head.cfg
         if hcfg.target_vocab_size != tcfg.vocab_size or hcfg.hidden_size != tcfg.hidden_size:
             raise ValueError(f"init: the head at {init} was built for another target (vocab "
                              f"{hcfg.target_vocab_size}, hidden {hcfg.hidden_size})")
     else:
-        hcfg = DraftHeadConfig.for_target(tcfg, cfg.draft_vocab_size)
-        d2t = draft_vocabulary(sequences, hcfg.draft_vocab_size, tcfg.vocab_size)
-        head = DraftHead(hcfg)
-        with torch.no_grad():
-            head.d2t.copy_(d2t)
-            # start from the target: final norm and the target's output rows of the draft vocabulary
-            head.norm.weight.copy_(target.norm.weight.float())
-            lm = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-            head.lm_head.weight.copy_(lm[d2t].float())
-        head = head.to(device)
-        head.init_rotary(device)
-    t2d = torch.full((tcfg.vocab_size,), -1, dtype=torch.long)
-    t2d[d2t.cpu()] = torch.arange(len(d2t))
-    t2d = t2d.to(device)
+        head = new_head(target, sequences, cfg.draft_vocab_size)
+        hcfg = head.cfg
+    t2d = target_to_draft(head, tcfg.vocab_size)
     embed = torch.nn.Embedding.from_pretrained(target.embed_tokens.weight.float(), freeze=True)
 
     t0 = time.perf_counter()
-    cache = []
-    for s in tqdm(sequences, desc="target features", unit="seq"):
-        ids = (s["prompt_ids"] + s["output_ids"])[: cfg.max_len]
-        if len(ids) - len(s["prompt_ids"]) < 4:
-            continue
-        f, ti, tp = target_features(target, ids, hcfg.feature_layers, cfg.topk)
-        cache.append((f, torch.tensor(ids), ti, tp, len(s["prompt_ids"])))
+    cache = cached_features(target, training_rows(sequences, cfg.max_len),
+                            feature_dir or os.path.join(out_dir, "features"), hcfg.feature_layers, cfg.topk)
     feature_s = time.perf_counter() - t0
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    total_steps = max(1, cfg.epochs * len(cache) // cfg.grad_accum)
-
-    def lr_at(step):  # linear warmup, cosine decay to 10%
-        if step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / cfg.warmup_steps
-        prog = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
+    lengths = [len(c[1]) for c in cache]
+    orders = [torch.randperm(len(cache), generator=torch.Generator().manual_seed(cfg.seed + e)).tolist()
+              for e in range(cfg.epochs)]
+    epoch_batches = [pack_batches(lengths, o, cfg.pack_tokens) for o in orders]
+    total_steps = max(1, sum(len(b) for b in epoch_batches) // cfg.grad_accum)
+    lr_at = lr_schedule(cfg, total_steps)
 
     step, history, start_epoch, start_index = load_train_state(out_dir, head, opt, resume, log)
 
     def checkpoint(epoch, index):
         save_train_state(out_dir, head, opt, step, history, epoch, index, cfg)
 
-    train_tokens = 0
+    train_tokens = loss_tokens = 0  # tokens through the head (every position of every sequence) / with a loss
     t1 = time.perf_counter()
     head.train()
     for epoch in range(start_epoch, cfg.epochs):
-        order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-        bar = tqdm(range(start_index if epoch == start_epoch else 0, len(order)), desc=f"epoch {epoch + 1}",
-                   unit="seq")
+        batches = epoch_batches[epoch]
+        bar = tqdm(range(start_index if epoch == start_epoch else 0, len(batches)), desc=f"epoch {epoch + 1}",
+                   unit="batch")
         for i in bar:
-            f, ids, ti, tp, plen = (x.to(device) if torch.is_tensor(x) else x for x in cache[order[i]])
-            loss, losses, acc = ttt_losses(head, embed, f.float(), ids, ti, tp, t2d, plen, cfg.ttt_steps,
-                                           cfg.step_decay)
-            (loss / cfg.grad_accum).backward()
-            train_tokens += len(ids) - plen
+            f, ids, ti, tp, lens, plens = collate([cache[k] for k in batches[i]], device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss, losses, acc = ttt_losses(head, embed, f, ids, ti, tp, t2d, plens, cfg.ttt_steps,
+                                               cfg.step_decay, lengths=lens)
+            (loss / (len(lens) * cfg.grad_accum)).backward()  # the mean over sequences, as one at a time gave
+            train_tokens += sum(lens)
+            loss_tokens += sum(L - p for L, p in zip(lens, plens))
             if (i + 1) % cfg.grad_accum == 0:
                 for g in opt.param_groups:
                     g["lr"] = lr_at(step)
@@ -226,18 +394,24 @@ def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConf
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 step += 1
-                history.append({"step": step, "loss": loss.item(), "step_losses": losses, "step_acc": acc,
-                                "lr": lr_at(step - 1)})
-                bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{acc[0]:.2f}", accK=f"{acc[-1]:.2f}")
+                mean = [sum(x) / len(x) for x in losses]
+                mean_acc = [sum(x) / len(x) for x in acc]
+                history.append({"step": step, "loss": loss.item() / len(lens), "step_losses": mean,
+                                "step_acc": mean_acc, "lr": lr_at(step - 1)})
+                bar.set_postfix(loss=f"{loss.item() / len(lens):.3f}", acc0=f"{mean_acc[0]:.2f}",
+                                accK=f"{mean_acc[-1]:.2f}",
+                                tok_s=f"{train_tokens / (time.perf_counter() - t1):.0f}")
                 if step % cfg.checkpoint_every == 0:
                     checkpoint(epoch, i + 1)
         start_index = 0
     checkpoint(cfg.epochs, 0)
     head.eval()
     head.save(out_dir)
-    cost = {"feature_s": feature_s, "train_s": time.perf_counter() - t1, "sequences": len(cache),
-            "train_tokens_seen": train_tokens, "optimizer_steps": step, "config": asdict(cfg), "init": init,
-            "device": str(target.embed_tokens.weight.device), "threads": torch.get_num_threads()}
+    train_s = time.perf_counter() - t1
+    cost = {"feature_s": feature_s, "train_s": train_s, "sequences": len(cache),
+            "train_tokens_seen": loss_tokens, "train_tokens_processed": train_tokens,
+            "train_tokens_per_s": train_tokens / max(train_s, 1e-9), "optimizer_steps": step,
+            "config": asdict(cfg), "init": init, "device": str(device), "threads": torch.get_num_threads()}
     with open(os.path.join(out_dir, "training.json"), "w") as fh:
         json.dump({"cost": cost, "history": history}, fh)
     plot_history(history, os.path.join(out_dir, "loss.png"))
