@@ -72,7 +72,6 @@ class DraftLearner:
         self.version = self._current_version()
         self._mtime, self._next_poll = self._stat(), 0.0
         self.buffers: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request id -> (first position, rows)
-        self.samples = 0
         self._queue: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="lanner-learn-writer", daemon=True)
         self._writer.start()
@@ -121,7 +120,6 @@ class DraftLearner:
                 save_file({"features": feats.contiguous(), "ids": torch.tensor(ids, dtype=torch.int32)},
                           path + ".tmp", metadata={"loss_from": str(loss_from)})
                 os.replace(path + ".tmp", path)  # the trainer never sees a partial file
-                self.samples += 1
             except OSError as e:
                 log.warning("learn-draft: could not write a traffic sample: %s", e)
             n += 1
