@@ -55,6 +55,8 @@ class EngineConfig:
     max_model_len: int | None = option(None, "cache", "context length cap (default: the model's)")
     enable_prefix_caching: bool = option(True, "cache", "do not reuse KV blocks of shared prefixes",
                                          flags=("--no-prefix-caching",))
+    window_kv: bool = option(True, "cache", "keep every layer's whole context, also on sliding-window layers "
+                             "(Gemma 3; by default they keep only their window)", flags=("--no-window-kv",))
     # ---- speculative decoding. `spec` is resolved at construction: None or one of SPEC_KINDS after it
     spec: str | None = option(
         "auto", "spec", "draft proposer: 'ngram' (prompt lookup), 'draft' (--draft head or model), 'suffix' (suffix "

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from lanner import LLM, SamplingParams
-from lanner.engine.runner import ModelRunner, SeqChunk
+from lanner.engine.runner import ModelRunner, SeqChunk, decode_step, encode_step
+from lanner.kvcache.layout import KVLayout
 from lanner.layers.attention import build_attention_metadata, window_metadata
 from lanner.models.loader import ModelSource, load_model
 from lanner.models.tiny import make_tiny_model
-from lanner.plugins import PluginMismatch, PluginRuntime, StepKind
+from lanner.plugins import PluginMismatch, PluginRuntime, StepKind, storage_ptrs, tensor_bytes
 from lanner.plugins.base import Hardware, _cpu_flags
 from lanner.plugins.lowlat import LowLatPlugin
 
@@ -79,6 +80,18 @@ def test_window_changes_the_output_and_bounds_the_read(model, hf):
     assert diff(wide[WINDOW + 2 :], ref[WINDOW + 2 :]) > 1e-2
 
 
+def test_draft_tree_rows_read_their_own_window(model, hf):
+    """A draft tree verified past the window on the engine's own forward: each node sits at its depth and reads
+    its ancestors and the window of its own position, as transformers computes its path."""
+    prefix, table = rand_ids(29, 10), list(range(12))
+    r = ModelRunner(model, 16, 4, torch.float32, "cpu")
+    r.run([SeqChunk(prefix, 0, table, "none")])
+    tokens, parents = rand_ids(8, 12), [-1, -1, 0, 2, 3, 1, 4]
+    tree = r.run([SeqChunk(tokens, 29, table, "all", parents=parents)], StepKind.VERIFY)
+    for node in range(len(tokens)):
+        assert diff(tree[node], hf_logits(hf, path_ids(prefix, tokens, parents, node))[-1]) <= TOL
+
+
 def test_chunked_prefill_and_a_mixed_batch(model, hf):
     """Chunks of 5, then one step mixing a fresh prefill, a decode row and a continued chunk."""
     ids = rand_ids(27, 3)
@@ -120,6 +133,67 @@ def test_engine_greedy_matches_transformers(folder, hf, spec):
 
 
 needs_avx512 = pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="lowlat needs an AVX-512 CPU")
+
+def test_grouped_layout_and_its_tensor_parallel_step_message(model):
+    """Tiny Gemma 3 (sliding, sliding, full, sliding): four one-layer groups, the full one first, sharing one
+    member tensor; a step's message to tensor-parallel workers carries every group's tables."""
+    layout = KVLayout.of(model)
+    assert (layout.windows, layout.layer_group, layout.members) == ((None, WINDOW, WINDOW, WINDOW), (1, 2, 0, 3), 1)
+    big = KVLayout.grouped([8 if (i + 1) % 6 else None for i in range(26)])  # Gemma 3 1B: 4 global of 26
+    assert (big.members, big.num_groups, big.windows.count(None)) == (2, 13, 2)
+    runner = ModelRunner(model, 8, 4, torch.float32, "cpu", layout=layout)
+    assert len({t.data_ptr() for layer in runner.kv_caches for t in layer}) == 2
+    chunks = [SeqChunk([5, 6, 7], 9, [0, 1, 2], "all", group_tables=[[-1, 3, 4], [-1, 5, 6], [7, 1, 0]]),
+              SeqChunk([8], 2, [2], "last", group_tables=[[3], [4], [5]])]
+    back, kind = decode_step(*encode_step(chunks, StepKind.VERIFY), layout.num_groups)
+    assert kind == StepKind.VERIFY and [(c.tokens, c.start, c.block_table, c.logits, c.group_tables)
+                                         for c in back] == [(c.tokens, c.start, c.block_table, c.logits,
+                                                             c.group_tables) for c in chunks]
+
+
+@pytest.mark.parametrize("plugin", [None, pytest.param("lowlat", marks=needs_avx512)])
+def test_local_layers_keep_only_the_window(folder, model, hf, plugin):
+    """The engine's paged cache under the grouped layout (one full and three sliding one-layer groups): a
+    120-token request runs in a pool that flat would hold 64 tokens of, its sliding groups hold between steps
+    the blocks of the next query's window and no others, the output is transformers' greedy; a
+    prefix hit reuses the history, a shorter one when a sliding block inside the hit's window was evicted; a
+    request past the pool gets an error naming max_tokens."""
+    from lanner.engine.request import RequestError
+
+    # 64 one-layer blocks of 4 tokens (float32 K and V: 2 x 2 heads x 16 x 4 bytes a token), beside what lowlat
+    # takes off the budget: a flat layout's 16 four-layer blocks would hold 64 tokens
+    plug = lowlat_runner(model, torch.float32).plugins.plugins[0] if plugin else None
+    pool = 64 * 4 * 256 + (tensor_bytes(plug, storage_ptrs(model)) if plug else 0)
+    llm = LLM(model=folder, dtype="float32", skip_tokenizer=True, block_size=4, kv_cache_memory=f"{pool / 2**30:.14f}GiB",
+              max_num_batched_tokens=16, spec=None, plugin=plugin)
+    eng, kv = llm.engine, llm.engine.kv
+    assert kv.layout.windows == (None, WINDOW, WINDOW, WINDOW) and kv.num_blocks == 64
+    prompt, greedy = rand_ids(100, 40), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    req = eng.add_request(prompt_ids=prompt, params=greedy)
+    held = []
+    while eng.has_unfinished():
+        eng.step()
+        for g, table in enumerate(req.group_tables if not req.finished else [], 1):
+            first = kv.layout.first_kept_block(g, req.num_computed, 4)
+            assert all(b >= 0 for b in table[first:]) and all(b < 0 for b in table[:first])
+            held.append(len(table) - first)
+    assert max(held) == -(-(WINDOW - 1) // 4) + 1 and min(held) >= 2  # between steps: the window's blocks
+    assert req.output_ids == hf_greedy(hf, prompt, 20)
+    # the next turn reuses the history from the prefix cache; first with group 1's block 24 (positions 96..99)
+    # evicted: the hit falls back to 96 tokens, whose window every sliding group still has; then all of it
+    bm, turn = kv.block_manager, prompt + rand_ids(6, 41)
+    b = bm.hash_to_block.pop((1, bm.match_prefix(turn)[1][24]))
+    del bm.free_cached[b]  # what reusing a free cached block does (BlockManager._take_free), minus the reuse
+    bm.block_hash[b] = None
+    bm.free_plain.append(b)
+    for hit in (96, 104):
+        out = llm.generate([turn], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        assert out.metrics["cached_prompt_tokens"] == hit and out.token_ids == hf_greedy(hf, turn, 8)
+    with pytest.raises(RequestError, match="does not fit in the KV cache") as e:
+        eng.add_request(prompt_ids=rand_ids(300, 42), params=greedy)
+    assert e.value.param == "max_tokens"
+    if plugin:
+        assert not any(k[0] == "none" for k in eng.plugins.counts), eng.plugins.counts
 
 
 def lowlat_runner(model, dtype, num_blocks=32, rope_rows=None):

@@ -13,6 +13,7 @@ from lanner.engine.request import Request, RequestError
 from lanner.engine.runner import ModelRunner, SeqChunk, decode_step, encode_step
 from lanner.engine.scheduler import ScheduledItem, Scheduler
 from lanner.kvcache.block_manager import BlockManager
+from lanner.kvcache.layout import KVLayout
 from lanner.plugins import Hardware, StepKind
 
 
@@ -21,12 +22,14 @@ def paged_worker(config: EngineConfig, device: str) -> dict | None:
     rank 0's block count, and the handlers for rank 0's calls."""
     hardware = Hardware.detect(device, config.torch_dtype, tp_size(), tp_rank())
     model, model_config, plugin_runtime, plugin_bytes = load_target(config, hardware)
-    num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype), plugin_bytes)
+    layout = KVLayout.of(model, config.window_kv)
+    num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype, layout), plugin_bytes)
     if num_blocks < 2:  # rank 0 raises the error that names the budget
         return None
     # no captured layers: only rank 0 feeds a draft head
-    runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype, device, (), plugin_runtime)
-    return {"step": lambda code, payload: runner.run(*decode_step(code, payload)),
+    runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype, device, (), plugin_runtime,
+                         layout=layout)
+    return {"step": lambda code, payload: runner.run(*decode_step(code, payload, layout.num_groups)),
             "gather_embedding": lambda arg, payload: all_gather_rows(
                 model.embed_tokens.weight, split_sizes(model_config.vocab_size, tp_size()))}
 
@@ -39,7 +42,8 @@ class PagedKV:
         """draft_bytes: KV bytes per token of a draft that shares the block tables (and so the budget);
         capture: the layers whose outputs a draft head reads (ModelRunner.features)."""
         self.config, self.tp = config, tp
-        per_token = ModelRunner.bytes_per_token(model, config.torch_dtype) + draft_bytes
+        self.layout = KVLayout.of(model, config.window_kv)
+        per_token = ModelRunner.bytes_per_token(model, config.torch_dtype, self.layout) + draft_bytes
         self.num_blocks = kv_blocks(config, per_token, plugin_bytes)
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} leaves room for {self.num_blocks} blocks"
@@ -47,12 +51,15 @@ class PagedKV:
         self.block_size = config.block_size
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_queue_len)
+                                   config.max_queue_len, self.layout)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, config.torch_dtype, config.device,
-                                  capture, plugins)
+                                  capture, plugins, layout=self.layout)
+        windows = [w for w in self.layout.windows if w is not None]
         self.summary = (f"{self.num_blocks} KV blocks x {config.block_size} tokens "
                         f"({self.num_blocks * config.block_size * per_token / 2**30:.2f} GiB"
-                        + (f" on each of {config.tp} ranks)" if config.tp > 1 else ")"))
+                        + (f" on each of {config.tp} ranks" if config.tp > 1 else "")
+                        + (f"; {self.layout.num_groups} layer groups of {self.layout.members}, {len(windows)} of "
+                           f"them keeping a {windows[0]}-token window" if windows else "") + ")")
 
     @property
     def features(self) -> torch.Tensor | None:
@@ -61,16 +68,25 @@ class PagedKV:
 
     def check_fits(self, tokens: int):
         """Raises RequestError when a request of `tokens` tokens (prompt + max_tokens) can never fit."""
-        if -(-tokens // self.block_size) > self.num_blocks:
+        if self.layout.blocks_for(tokens, self.config.max_num_batched_tokens, self.block_size) > self.num_blocks:
             raise RequestError(f"prompt plus max_tokens ({tokens} tokens) does not fit in the KV cache "
-                               f"({self.num_blocks * self.block_size} tokens); raise kv_cache_memory", "max_tokens")
+                               f"({self.capacity_tokens()} tokens); raise kv_cache_memory", "max_tokens")
+
+    def capacity_tokens(self) -> int:
+        """The longest request the pool holds (a sliding group keeps only its window)."""
+        lo, hi = 0, self.num_blocks * self.block_size
+        while lo < hi:  # blocks_for grows with the tokens
+            mid = (lo + hi + 1) // 2
+            fits = self.layout.blocks_for(mid, self.config.max_num_batched_tokens, self.block_size) <= self.num_blocks
+            lo, hi = (mid, hi) if fits else (lo, mid - 1)
+        return lo
 
     def run(self, items: list[ScheduledItem], kind: StepKind) -> torch.Tensor:
         """One forward over the scheduled tokens and drafts -> float32 logits: every row of a drafted item, the
         last of one that samples, none of a prefill chunk that does not reach its end."""
         chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
                            it.request.block_table, "all" if it.draft else "last" if it.samples else "none",
-                           it.draft_parents if it.draft else None)
+                           it.draft_parents if it.draft else None, it.request.group_tables)
                   for it in items]
         if self.tp is None:
             return self.runner.run(chunks, kind)
@@ -82,11 +98,14 @@ class PagedKV:
         the path's nodes come in slot order, so no source is overwritten before it is read)."""
         moves = [(first + i, first + d) for d, i in enumerate(path) if i != d]
         if moves:
-            bs, table = self.block_size, req.block_table
-            slot = lambda p: table[p // bs] * bs + p % bs
-            src = torch.tensor([slot(s) for s, _ in moves], device=self.config.device)
-            dst = torch.tensor([slot(d) for _, d in moves], device=self.config.device)
-            for layer in self.runner.kv_caches:
+            bs, dev = self.block_size, self.config.device
+            index = []  # per group: (source slots, destination slots)
+            for table in [req.block_table] + req.group_tables:
+                slot = lambda p: table[p // bs] * bs + p % bs
+                index.append((torch.tensor([slot(s) for s, _ in moves], device=dev),
+                              torch.tensor([slot(d) for _, d in moves], device=dev)))
+            for layer, g in zip(self.runner.kv_caches, self.layout.layer_group):
+                src, dst = index[g]
                 for cache in layer:
                     cache[dst] = cache[src]
 
@@ -94,7 +113,7 @@ class PagedKV:
         """After a step: names the verified full blocks (before a finish frees them, so they stay reusable) and
         rolls back the blocks taken for rejected draft positions."""
         self.block_manager.commit_full_blocks(req.block_table, req.block_hashes, req.all_ids,
-                                              min(req.num_computed, req.num_tokens))
+                                              min(req.num_computed, req.num_tokens), req.group_tables)
         if not finishing:
             self.scheduler.trim(req)
 

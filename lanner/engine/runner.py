@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lanner.kvcache.layout import KVLayout
 from lanner.layers.attention import build_attention_metadata
 from lanner.plugins import PluginRuntime, Step, StepKind
 
@@ -20,6 +21,8 @@ class SeqChunk:
     # a draft tree after the first token: each node's parent (-1: the first token). Nodes take consecutive slots;
     # a node's position is the first token's plus its depth, and it attends to its ancestors only
     parents: list[int] | None = None
+    # a grouped KV layout's other groups' tables (lanner.kvcache.layout; block_table is group 0's), else empty
+    group_tables: list[list[int]] = ()
 
     def positions(self) -> list[int]:
         if self.parents is None:
@@ -43,29 +46,33 @@ LOGITS = ("last", "all", "none")
 
 def encode_step(chunks: list[SeqChunk], kind: StepKind | None) -> tuple[int, list[int]]:
     """A step as ints for tensor-parallel workers -> (kind code, payload): per chunk [n_tokens, start, n_blocks,
-    logits mode], then tokens and tables."""
+    logits mode], then tokens and tables (group 0's, then the other groups', all n_blocks long)."""
     payload = [len(chunks)]
     for c in chunks:
         payload += (len(c.tokens), c.start, len(c.block_table), LOGITS.index(c.logits))
     for c in chunks:
         payload += c.tokens
         payload += c.block_table
+        for table in c.group_tables:
+            payload += table
     return (-1 if kind is None else list(StepKind).index(kind)), payload
 
 
-def decode_step(code: int, payload: list[int]) -> tuple[list[SeqChunk], StepKind | None]:
+def decode_step(code: int, payload: list[int], groups: int = 1) -> tuple[list[SeqChunk], StepKind | None]:
     n, chunks, at = payload[0], [], 1 + 4 * payload[0]
     for i in range(n):
         n_tok, start, n_blocks, mode = payload[1 + 4 * i : 5 + 4 * i]
-        chunks.append(SeqChunk(payload[at : at + n_tok], start, payload[at + n_tok : at + n_tok + n_blocks],
-                               LOGITS[mode]))
-        at += n_tok + n_blocks
+        at += n_tok
+        tables = [payload[at + g * n_blocks : at + (g + 1) * n_blocks] for g in range(groups)]
+        chunks.append(SeqChunk(payload[at - n_tok : at], start, tables[0], LOGITS[mode], group_tables=tables[1:]))
+        at += groups * n_blocks
     return chunks, (None if code < 0 else list(StepKind)[code])
 
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype, device, capture_layers=(),
-                 plugins: PluginRuntime | None = None, role: str = "target"):
+                 plugins: PluginRuntime | None = None, role: str = "target", layout: KVLayout | None = None):
+        """layout: how layers share the pool (lanner.kvcache.layout); None: flat, one table for every layer."""
         self.plugins, self.role = plugins, role  # role: "target" | "draft" (Step.model for plugin dispatch)
         # layers whose outputs the last run() keeps in self.features ([T, len * hidden]), for draft heads
         self.capture_layers = tuple(capture_layers)
@@ -80,17 +87,27 @@ class ModelRunner:
         # [slots, *per-token shape]; zero-filled because padded attention rows read slots that were never written
         # (masked, but 0 * NaN would still poison them)
         slots = num_blocks * block_size
-        self.kv_caches = [tuple(torch.zeros(slots, *shape, dtype=dtype, device=device) for shape in layer)
-                          for layer in model.kv_cache_shapes()]
+        shapes = model.kv_cache_shapes()
+        self.layout = layout or KVLayout.flat(len(shapes))
+        if self.layout.is_flat:
+            self.kv_caches = [tuple(torch.zeros(slots, *shape, dtype=dtype, device=device) for shape in layer)
+                              for layer in shapes]
+        else:  # layers of different groups share a member tensor: their tables hold disjoint blocks
+            pool = [tuple(torch.zeros(slots, *shape, dtype=dtype, device=device) for shape in shapes[0])
+                    for _ in range(self.layout.members)]
+            self.kv_caches = [pool[m] for m in self.layout.layer_member]
 
     @staticmethod
-    def bytes_per_token(model_or_cfg, dtype) -> int:
-        """KV bytes one token takes on this rank: from the model's cache shapes, or a dense ModelConfig's geometry."""
+    def bytes_per_token(model_or_cfg, dtype, layout: KVLayout | None = None) -> int:
+        """KV bytes one token of a pool block takes on this rank: from the model's cache shapes, or a dense
+        ModelConfig's geometry; under a grouped layout, a block holds one group's layers."""
         if hasattr(model_or_cfg, "kv_cache_shapes"):
             shapes = model_or_cfg.kv_cache_shapes()
         else:
             c = model_or_cfg
             shapes = [((c.num_kv_heads, c.head_dim),) * 2] * c.num_layers
+        if layout is not None and not layout.is_flat:
+            shapes = shapes[: layout.members]
         elems = sum(math.prod(s) for layer in shapes for s in layer)
         return elems * torch.finfo(dtype).bits // 8
 
@@ -113,6 +130,9 @@ class ModelRunner:
                 rows.extend(range(t - n, t))
         dev = self.device
         meta = build_attention_metadata(q_lens, ctx_lens, [c.block_table for c in chunks], self.block_size, dev)
+        if not self.layout.is_flat:
+            meta.group_tables = [[c.group_tables[g - 1] for c in chunks] for g in range(1, self.layout.num_groups)]
+            meta.layer_group = list(self.layout.layer_group)
         trees = [b for b, c in enumerate(chunks) if c.parents is not None]
         if trees:  # a tree chunk's own columns: ancestors only (the causal mask lets a row read every earlier one)
             meta.tree = [[] for _ in chunks]

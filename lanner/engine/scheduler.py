@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from lanner.engine.request import Request, Status
 from lanner.kvcache.block_manager import BlockManager
+from lanner.kvcache.layout import KVLayout
 
 
 class QueueFullError(RuntimeError):
@@ -76,18 +77,55 @@ class RequestQueue:
 
 
 class Scheduler(RequestQueue):
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_queue_len: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_queue_len: int,
+                 layout: KVLayout | None = None):
         super().__init__(max_num_seqs, max_queue_len)
         self.blocks = blocks
         self.budget = max_num_batched_tokens
+        self.layout = layout or KVLayout.flat(1)
+        self.groups = self.layout.num_groups
 
     def _blocks_needed(self, req: Request, upto: int) -> int:
-        return max(0, -(-upto // self.blocks.block_size) - len(req.block_table))
+        """Pool blocks for positions up to `upto`: as many new table entries in every group."""
+        return max(0, -(-upto // self.blocks.block_size) - len(req.block_table)) * self.groups
+
+    def _extend(self, req: Request, need: int):
+        n = need // self.groups
+        req.block_table.extend(self.blocks.allocate(n))
+        for table in req.group_tables:
+            table.extend(self.blocks.allocate(n))
+
+    def _cached(self, req: Request) -> tuple[list[list[int]], list[int]]:
+        """The longest prefix-cache hit that every group can serve -> (its blocks per group, -1 where a sliding
+        group needs none, group 0 first; the chain hashes). A sliding group needs only the blocks inside the
+        window of the first position after the hit."""
+        cached, hashes = self.blocks.match_prefix(req.all_ids)
+        bs, m = self.blocks.block_size, len(cached)
+        while m > 0:
+            tables = [cached[:m]]
+            for g in range(1, self.groups):
+                lo = self.layout.first_kept_block(g, m * bs, bs)
+                found = [self.blocks.lookup(g, h) for h in hashes[lo:m]]
+                if None in found:
+                    break
+                tables.append([-1] * lo + found)
+            else:
+                return tables, hashes[:m]
+            m -= 1
+        return [[] for _ in range(self.groups)], []
+
+    def _free_tables(self, req: Request):
+        # group 0 and the other full groups first, the sliding groups' window blocks last: in LRU order those
+        # go last, and without them no hit on this prefix can be served
+        self.blocks.free(req.block_table)
+        for g, table in sorted(enumerate(req.group_tables, 1), key=lambda e: self.layout.windows[e[0]] is not None):
+            self.blocks.free(table)
+        req.block_table, req.group_tables = [], [[] for _ in req.group_tables]
 
     def _preempt(self, req: Request):
         self.running.remove(req)
-        self.blocks.free(req.block_table)
-        req.block_table, req.block_hashes = [], []
+        self._free_tables(req)
+        req.block_hashes = []
         req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -113,21 +151,23 @@ class Scheduler(RequestQueue):
                     break
             if req.status != Status.RUNNING:
                 break
-            req.block_table.extend(self.blocks.allocate(need))
+            self._extend(req, need)
             items.append(ScheduledItem(req, req.num_computed, n, num_spec=k))
             budget -= n + k
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            cached, hashes = self.blocks.match_prefix(req.all_ids)
-            num_cached = len(cached) * self.blocks.block_size
+            tables, hashes = self._cached(req)
+            held = [b for table in tables for b in table if b >= 0]
+            num_cached = len(tables[0]) * self.blocks.block_size
             n = min(req.num_tokens - num_cached, budget)
-            need = -(-(num_cached + n) // self.blocks.block_size) - len(cached)
-            if not self.blocks.can_allocate(need, cached):
+            need = (-(-(num_cached + n) // self.blocks.block_size) - len(tables[0])) * self.groups
+            if not self.blocks.can_allocate(need, held):
                 break  # the engine refuses requests that could not fit even alone, so this one waits
             self.waiting.popleft()
-            self.blocks.acquire_cached(cached)
-            req.block_table = cached + self.blocks.allocate(need)
+            self.blocks.acquire_cached(held)
+            req.block_table, req.group_tables = tables[0], tables[1:]
+            self._extend(req, need)
             req.block_hashes = hashes
             req.num_computed = num_cached  # cached blocks carry a draft's KV too (same block tables)
             if req.num_preemptions == 0:
@@ -141,12 +181,22 @@ class Scheduler(RequestQueue):
         return items
 
     def trim(self, req: Request):
-        """Roll back: free blocks past the verified tokens (rejected draft positions)."""
-        keep = -(-req.num_computed // self.blocks.block_size)
-        if len(req.block_table) > keep:
-            self.blocks.free(req.block_table[keep:])
-            del req.block_table[keep:]
+        """Roll back: free blocks past the verified tokens (rejected draft positions); sliding groups also let go
+        of the blocks that left the window of the next query."""
+        bs = self.blocks.block_size
+        keep = -(-req.num_computed // bs)
+        for table in [req.block_table] + req.group_tables:
+            if len(table) > keep:
+                self.blocks.free(table[keep:])
+                del table[keep:]
+        for g, table in enumerate(req.group_tables, 1):
+            lo = self.layout.first_kept_block(g, req.num_computed, bs)
+            first = lo  # the kept blocks are a suffix: walk back from lo to the last one let go
+            while first > 0 and table[first - 1] >= 0:
+                first -= 1
+            if first < lo:
+                self.blocks.free(table[first:lo])
+                table[first:lo] = [-1] * (lo - first)
 
     def _release(self, req: Request):
-        self.blocks.free(req.block_table)
-        req.block_table = []
+        self._free_tables(req)

@@ -2,7 +2,9 @@
 
 A full block is named by hash(parent block's hash, its token ids), so equal prefixes map to equal
 blocks. Freed blocks that carry a hash stay findable until their slot is reused (LRU order), which
-is what lets a multi-turn conversation skip prefilling its history again.
+is what lets a multi-turn conversation skip prefilling its history again. Under a grouped layout
+(lanner.kvcache.layout) group g > 0's block of the same tokens is named (g, hash); -1 in a table is a
+block a sliding group has let go.
 """
 from __future__ import annotations
 
@@ -96,11 +98,18 @@ class BlockManager:
     def free(self, blocks: list[int]):
         # release in reverse so a request's tail blocks are evicted before its shared head
         for b in reversed(blocks):
-            self._release(b)
+            if b >= 0:
+                self._release(b)
         self.free_plain.sort(reverse=True)
 
-    def commit_full_blocks(self, blocks: list[int], hashes: list[int], token_ids: list[int], num_verified: int):
-        """Name every full block of verified tokens that has no hash yet; extends `hashes` in place."""
+    def lookup(self, group: int, h: int) -> int | None:
+        """The cached block of group `group` (> 0) named by chain hash `h`, if any."""
+        return self.hash_to_block.get((group, h))
+
+    def commit_full_blocks(self, blocks: list[int], hashes: list[int], token_ids: list[int], num_verified: int,
+                           group_tables: list[list[int]] = ()):
+        """Name every full block of verified tokens that has no hash yet (in `blocks`, group 0's table, and in
+        the other groups' tables); extends `hashes` in place."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -108,8 +117,21 @@ class BlockManager:
         for i in range(len(hashes), num_verified // bs):
             h = hash((h, tuple(token_ids[i * bs : (i + 1) * bs])))
             hashes.append(h)
-            b = blocks[i]
-            if h in self.hash_to_block:
-                continue  # an identical block exists already; keep ours unnamed
-            self.block_hash[b] = h
-            self.hash_to_block[h] = b
+            self._name(blocks[i], h)
+            for g, table in enumerate(group_tables, 1):
+                if table[i] >= 0:
+                    self._name(table[i], (g, h))
+
+    def _name(self, b: int, key):
+        other = self.hash_to_block.get(key)
+        if other is not None:
+            if self.ref_count[other] > 0:
+                return  # an identical block is in use; keep ours unnamed
+            # the identical block is free (a hit that fell short recomputed it): the name moves to ours, which
+            # is in use, and the free copy becomes a plain free block
+            del self.free_cached[other]
+            self.block_hash[other] = None
+            self.free_plain.append(other)
+            self.free_plain.sort(reverse=True)
+        self.block_hash[b] = key
+        self.hash_to_block[key] = b

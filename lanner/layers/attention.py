@@ -33,6 +33,10 @@ class AttentionMetadata:
     # draft trees (lanner.engine.runner.SeqChunk.parents), for kernels: per sequence [] or a bit mask per row of
     # the step's rows it reads (itself and its ancestors; `mask` holds the same)
     tree: list[list[int]] | None = None
+    # a grouped KV layout (lanner.kvcache.layout): groups 1..'s per-sequence tables (-1: a block let go, never
+    # read) and each layer's group; None: every layer reads and writes through block_tables
+    group_tables: list[list[list[int]]] | None = None
+    layer_group: list[int] | None = None
 
 
 class AttentionBackend:
@@ -139,6 +143,15 @@ def build_attention_metadata(q_lens, ctx_lens, block_tables, block_size, device)
                              list(ctx_lens), block_tables, block_size)
 
 
+def group_metadata(meta: AttentionMetadata, tables: list[list[int]], window: int | None) -> AttentionMetadata:
+    """The same step over a layer group's own block tables (a grouped KV layout), for full (window None) or
+    sliding-window layers. Blocks let go (-1) lie before every query's window: never written or read."""
+    tables = [[max(b, 0) for b in bt] for bt in tables]
+    own = replace(build_attention_metadata(meta.q_lens, meta.ctx_lens, tables, meta.block_size,
+                                           meta.slot_mapping.device), mask=meta.mask, tree=meta.tree)
+    return own if window is None else window_metadata(own, window)
+
+
 def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
     """The same step for a sliding-window layer: query position p reads keys p - window < j <= p (transformers'
     and llama.cpp's rule), and only those slots are gathered, so a local layer's read stays window-sized however
@@ -158,9 +171,15 @@ def window_metadata(meta: AttentionMetadata, window: int) -> AttentionMetadata:
     table = torch.tensor([bt + [0] * (nb - len(bt)) for bt in meta.block_tables], dtype=torch.long)
     kv_slots = table.gather(1, kpos // bs) * bs + kpos % bs
     i = torch.arange(Qmax)
-    qpos = (ctx - ql)[:, None] + i[None, :]  # [B, Qmax]
+    qpos = (ctx - ql)[:, None] + i[None, :]  # [B, Qmax] each row's position
+    trees = [(b, rows) for b, rows in enumerate(meta.tree or []) if rows]
+    for b, rows in trees:  # a tree row sits at its depth past the step's first slot
+        qpos[b, : len(rows)] = int(ctx[b] - ql[b]) + torch.tensor([bin(r).count("1") - 1 for r in rows])
     kp, qp = kpos[:, None, :], qpos[:, :, None]
     mask = (kp <= qp) & (kp > qp - window) & (j[None, None, :] < lens[:, None, None])
+    for b, rows in trees:  # of the step's own slots, a tree row reads its ancestors and itself (trees are shallow)
+        n, at = len(rows), int(ctx[b] - ql[b] - lo[b])
+        mask[b, :n, at : at + n] = torch.tensor([[r >> c & 1 for c in range(n)] for r in rows], dtype=torch.bool)
     mask[:, :, 0] |= i[None, :] >= ql[:, None]  # padded query rows attend to slot 0: avoids NaN rows
     return replace(meta, kv_slots=kv_slots.to(dev), kv_range=None, mask=mask[:, None].to(dev), is_causal=False,
                    backend=None)

@@ -6,8 +6,10 @@ scaled by sqrt(hidden); attention is scaled by query_pre_attn_scalar ** -0.5; lo
 sliding window with their own RoPE base (10k), global layers over everything (1M base, optional scaling);
 optional final logit softcapping; tied embeddings.
 
-KV: every layer keeps its whole context in the shared paged cache (local layers only *read* the window); a
-cache bounded by the window for local layers would need per-layer block tables.
+KV: `layer_windows()` asks for a grouped layout (lanner.kvcache.layout): under the engine's paged cache the local
+layers' blocks are let go as the window slides, so they keep about `sliding_window` tokens each; under a flat
+layout (one table, as tests and draft models use) every layer keeps the whole context and local layers only read
+the window.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lanner.distributed.layers import VocabParallelEmbedding
-from lanner.layers.attention import AttentionMetadata, window_metadata
+from lanner.layers.attention import AttentionMetadata, group_metadata, window_metadata
 from lanner.layers.rotary import RotaryFrequencies
 from lanner.models.config import ModelConfig
 from lanner.models.llama import MLP, Attention, LlamaModel
@@ -144,16 +146,24 @@ class Gemma3Model(LlamaModel):
         x = self.embed_tokens(input_ids)
         x = x * self.embed_scale(x.dtype)
         rope = {t: r.lookup(positions, x.dtype) for t, r in self.rotary.items()}
-        metas = {FULL: meta}
-        if any(layer.layer_type == SLIDING for layer in self.layers):
-            metas[SLIDING] = window_metadata(meta, self.window)
+        if meta.group_tables is None:
+            window = window_metadata(meta, self.window) if self.window else None
+            metas = [meta if layer.layer_type == FULL else window for layer in self.layers]
+        else:
+            windows = {g: w for g, w in zip(meta.layer_group, self.layer_windows())}
+            groups = [meta] + [group_metadata(meta, tables, windows[g]) for g, tables in enumerate(meta.group_tables, 1)]
+            metas = [groups[g] for g in meta.layer_group]
         captured = {}
         for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.layer_type]
-            x = layer(x, cos, sin, *kv_caches[i], metas[layer.layer_type])
+            x = layer(x, cos, sin, *kv_caches[i], metas[i])
             if i in capture_layers:
                 captured[i] = x
         return self.norm(x), [captured[i] for i in capture_layers]
+
+    def layer_windows(self) -> list[int | None]:
+        """Per layer: the window of a sliding-window layer, None for a global one (lanner.kvcache.layout)."""
+        return [self.window if layer.layer_type == SLIDING else None for layer in self.layers]
 
     def embed_scale(self, dtype) -> torch.Tensor:
         """sqrt(hidden) rounded to the model dtype first (as transformers scales the embedding); the tied LM head

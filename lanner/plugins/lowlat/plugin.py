@@ -262,7 +262,8 @@ class LowLatPlugin(Plugin):
             if max(meta.ctx_lens) > kernel.max_pos and self._is_gemma(model):
                 kernel.set_rope(*self._rope_tables(model, max(meta.ctx_lens)))
             out = kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
-                                 meta.block_size, list(capture_layers), meta.tree or [])
+                                 meta.block_size, list(capture_layers), meta.tree or [], meta.group_tables or [],
+                                 meta.layer_group or [])
         self._check_aborted(kernel)
         return out
 

@@ -74,6 +74,7 @@ constexpr auto kUInt8 = at::kByte;
 }  // namespace torch
 
 using bf16_t = uint16_t;
+using Tables = std::vector<std::vector<std::vector<int64_t>>>;  // per layer group, per sequence: block ids
 static constexpr int64_t kMaxRows = 256;  // rows per forward (stack arrays in attention)
 
 // ------------------------------------------------------------------------------------------------ scalars
@@ -1264,9 +1265,10 @@ struct Model {
 
   template <typename WT, typename XT>
   void run(const int64_t* ids, const int64_t* pos, int64_t T, const std::vector<int64_t>& q_lens,
-           const std::vector<int64_t>& ctx_lens, const std::vector<std::vector<int64_t>>& bts, int64_t bs,
-           const std::vector<WT*>& kcs, const std::vector<WT*>& vcs, const std::vector<int64_t>& slots,
-           const std::vector<int64_t>& row0, const std::vector<WT*>& cap_at, WT* out) {
+           const std::vector<int64_t>& ctx_lens, const Tables& gbts, int64_t bs,
+           const std::vector<WT*>& kcs, const std::vector<WT*>& vcs, const std::vector<std::vector<int64_t>>& gslots,
+           const std::vector<int64_t>& lgroup, const std::vector<int64_t>& row0, const std::vector<WT*>& cap_at,
+           WT* out) {
     const int64_t B = (int64_t)q_lens.size(), nqkv = (H + 2 * Hkv) * D, half = D / 2;
     const int64_t kv_len = *std::max_element(ctx_lens.begin(), ctx_lens.end());
     float* x = buf<float>(off_x);
@@ -1338,6 +1340,7 @@ struct Model {
           const float* sinL = local ? sin_local.data_ptr<float>() : sinT;
           WT* kc = kcs[l];
           WT* vc = vcs[l];
+          const std::vector<int64_t>& slots = gslots[lgroup[l]];
           float v[512], rot[512];
           for (int64_t t = 0; t < T; t++) {
             const float* cr = cosL + pos[t] * D;
@@ -1377,7 +1380,8 @@ struct Model {
         // --- attention over the paged cache: items (sequence, q head), round robin
         for (int64_t it = tid; it < B * H; it += nt) {
           const int64_t sb = it / H, h = it % H;
-          attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, bts[sb], bs, kcs[l], vcs[l], h, ain, S, O,
+          attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, gbts[lgroup[l]][sb], bs, kcs[l], vcs[l], h,
+                         ain, S, O,
                          tree_[sb].empty() ? nullptr : tree_[sb].data(), local ? window : 0);
         }
         mark(1);
@@ -1462,13 +1466,17 @@ struct Model {
   }
 
   // forward(input_ids, positions, kv (per layer (k_cache, v_cache)), q_lens, ctx_lens, block_tables, block_size,
-  // capture_layers, tree) -> (hidden [T, hidden], [captured [T, hidden]]). tree: per sequence, empty (causal rows
-  // at consecutive positions) or a draft tree's rows as bit masks of the rows each reads (see attend); its rows
-  // take consecutive slots, their positions are the first row's plus their depth
+  // capture_layers, tree, group_tables, layer_group) -> (hidden [T, hidden], [captured [T, hidden]]). tree: per
+  // sequence, empty (causal rows at consecutive positions) or a draft tree's rows as bit masks of the rows each
+  // reads (see attend); its rows take consecutive slots, their positions are the first row's plus their depth.
+  // group_tables, layer_group: a grouped KV layout (lanner.kvcache.layout): the block tables of groups 1.. (per
+  // sequence; -1: a block let go, allowed only before the window of a group of local layers) and each layer's
+  // group; both empty: every layer uses block_tables
   std::tuple<torch::Tensor, std::vector<torch::Tensor>> forward(
       torch::Tensor ids, torch::Tensor positions, std::vector<std::vector<torch::Tensor>> kv,
       std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens, std::vector<std::vector<int64_t>> bts,
-      int64_t bs, std::vector<int64_t> capture, std::vector<std::vector<int64_t>> tree) {
+      int64_t bs, std::vector<int64_t> capture, std::vector<std::vector<int64_t>> tree, Tables group_tables,
+      std::vector<int64_t> layer_group) {
     g_invariant = invariant;
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
     TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kLong && ids.is_contiguous() && ids.device().is_cpu(),
@@ -1480,7 +1488,23 @@ struct Model {
     TORCH_CHECK(B >= 1 && (int64_t)ctx_lens.size() == B && (int64_t)bts.size() == B && bs >= 1,
                 "lowlat: q_lens, ctx_lens and block_tables must have one entry per sequence");
     TORCH_CHECK((int64_t)kv.size() == L, "lowlat: kv_caches has ", kv.size(), " layers, the model ", L);
-    std::vector<int64_t> row0(B), slots(T);
+    Tables gbts;
+    gbts.push_back(std::move(bts));
+    for (auto& g : group_tables) {
+      TORCH_CHECK((int64_t)g.size() == B, "lowlat: group_tables must have one table per sequence");
+      gbts.push_back(std::move(g));
+    }
+    const int64_t G = (int64_t)gbts.size();
+    if (layer_group.empty()) layer_group.assign(L, 0);
+    TORCH_CHECK((int64_t)layer_group.size() == L, "lowlat: layer_group must have one entry per layer");
+    std::vector<char> windowed(G, 1);  // a group of local layers only: it reads the window alone
+    for (int64_t l = 0; l < L; l++) {
+      TORCH_CHECK(layer_group[l] >= 0 && layer_group[l] < G, "lowlat: layer ", l, ": group ", layer_group[l],
+                  " without tables");
+      if (!(gemma && is_local[l])) windowed[layer_group[l]] = 0;
+    }
+    std::vector<int64_t> row0(B);
+    std::vector<std::vector<int64_t>> gslots(G, std::vector<int64_t>(T));
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* idp = ids.data_ptr<int64_t>();
     int64_t nslots = -1;
@@ -1508,10 +1532,15 @@ struct Model {
     for (int64_t b = 0; b < B; b++) {
       const int64_t ql = q_lens[b], cl = ctx_lens[b];
       TORCH_CHECK(ql >= 1 && cl >= ql && cl <= max_pos, "lowlat: sequence ", b, ": q_len ", ql, ", ctx_len ", cl);
-      TORCH_CHECK((int64_t)bts[b].size() * bs >= cl, "lowlat: sequence ", b, ": block table too short");
-      for (int64_t blk = 0; blk < (cl + bs - 1) / bs; blk++)
-        TORCH_CHECK(bts[b][blk] >= 0 && (bts[b][blk] + 1) * bs <= nslots, "lowlat: sequence ", b, ": block ",
-                    bts[b][blk], " outside the cache");
+      for (int64_t g = 0; g < G; g++) {
+        const auto& bt = gbts[g][b];
+        TORCH_CHECK((int64_t)bt.size() * bs >= cl, "lowlat: sequence ", b, ": block table too short");
+        // the first block a row of this step can read (a tree row's position is at least the step's first slot)
+        const int64_t first = windowed[g] ? std::max<int64_t>(0, cl - ql - window + 1) / bs : 0;
+        for (int64_t blk = first; blk < (cl + bs - 1) / bs; blk++)
+          TORCH_CHECK(bt[blk] >= 0 && (bt[blk] + 1) * bs <= nslots, "lowlat: sequence ", b, ": block ", bt[blk],
+                      " outside the cache");
+      }
       row0[b] = t;
       const bool is_tree = !tree[b].empty();
       TORCH_CHECK(!is_tree || ((int64_t)tree[b].size() == ql && ql <= 63),
@@ -1522,7 +1551,7 @@ struct Model {
                     "lowlat: positions do not match q_lens/ctx_lens");
         TORCH_CHECK(!is_tree || ((tree[b][i] >> i) & 1 && tree[b][i] >> (i + 1) == 0),
                     "lowlat: a tree row reads itself and earlier rows only");
-        slots[t] = bts[b][p / bs] * bs + p % bs;
+        for (int64_t g = 0; g < G; g++) gslots[g][t] = gbts[g][b][p / bs] * bs + p % bs;
       }
     }
     TORCH_CHECK(t == T, "lowlat: sum(q_lens) = ", t, " but ", T, " input ids");
@@ -1550,10 +1579,12 @@ struct Model {
       auto o = reinterpret_cast<bf16_t*>(out.data_ptr());
       if (dot) {
 #ifdef __AVX512BF16__
-        run<bf16_t, bf16_t>(idp, pos, T, q_lens, ctx_lens, bts, bs, cv(kcs), cv(vcs), slots, row0, cv(cap_at), o);
+        run<bf16_t, bf16_t>(idp, pos, T, q_lens, ctx_lens, gbts, bs, cv(kcs), cv(vcs), gslots, layer_group, row0,
+                            cv(cap_at), o);
 #endif
       } else {
-        run<bf16_t, float>(idp, pos, T, q_lens, ctx_lens, bts, bs, cv(kcs), cv(vcs), slots, row0, cv(cap_at), o);
+        run<bf16_t, float>(idp, pos, T, q_lens, ctx_lens, gbts, bs, cv(kcs), cv(vcs), gslots, layer_group, row0,
+                           cv(cap_at), o);
       }
     } else {
       auto cv = [](const std::vector<void*>& v) {
@@ -1561,8 +1592,8 @@ struct Model {
         for (size_t i = 0; i < v.size(); i++) r[i] = reinterpret_cast<float*>(v[i]);
         return r;
       };
-      run<float, float>(idp, pos, T, q_lens, ctx_lens, bts, bs, cv(kcs), cv(vcs), slots, row0, cv(cap_at),
-                        out.data_ptr<float>());
+      run<float, float>(idp, pos, T, q_lens, ctx_lens, gbts, bs, cv(kcs), cv(vcs), gslots, layer_group, row0,
+                        cv(cap_at), out.data_ptr<float>());
     }
     return {out, captured};
   }
