@@ -36,12 +36,17 @@ bench: setup
 	$(VENV)/bin/lanner bench replay --plugin lowlat --compare none --concurrency 1,2,4
 
 # llama.cpp as a benchmark peer (lanner bench latency / quant): llama-cpp-python built from source, ~12 min on
-# 2 cores; never part of `make test`. Explicit x86 features: the default native build emits AMX instructions that
-# some VMs list but do not permit (SIGILL at the first generation)
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-	-DGGML_AVX512_VBMI=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+# 2 cores; never part of `make test`. x86 features are switched on from this CPU's flags instead of GGML_NATIVE:
+# the native build emits AMX instructions that some VMs list but do not permit (SIGILL at the first generation)
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+has = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call has,avx) -DGGML_AVX2=$(call has,avx2) \
+	-DGGML_FMA=$(call has,fma) -DGGML_F16C=$(call has,f16c) -DGGML_BMI2=$(call has,bmi2) \
+	-DGGML_AVX_VNNI=$(call has,avx_vnni) -DGGML_AVX512=$(call has,avx512f) \
+	-DGGML_AVX512_VNNI=$(call has,avx512_vnni) -DGGML_AVX512_BF16=$(call has,avx512_bf16) \
+	-DGGML_AVX512_VBMI=$(call has,avx512vbmi)
 peers: setup
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-binary llama-cpp-python llama-cpp-python==0.3.36
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==0.3.36
 
 clean:
 	rm -rf $(VENV)

@@ -86,3 +86,17 @@ def openai_server(**engine_options):
             yield base, engine, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=900)
     finally:
         engine.shutdown()
+
+
+def _lowlat_marks():
+    from lanner.plugins.base import _cpu_flags
+    from lanner.plugins.lowlat import cpu_variant
+
+    variant = cpu_variant(_cpu_flags())
+    return (pytest.mark.skipif(variant is None, reason="lowlat needs AVX-512F or AVX2 + FMA + F16C"),
+            pytest.mark.skipif(variant != "avx512", reason="compares lowlat's AVX-512 build: needs an AVX-512F CPU"))
+
+
+# needs_lowlat: the plugin runs here (its AVX2 build on an AVX2-only CPU); needs_avx512: the test asks for the
+# AVX-512 build itself (isa="avx512f", or the AVX2 build's bits against it)
+needs_lowlat, needs_avx512 = _lowlat_marks()

@@ -14,8 +14,9 @@ from lanner.layers.attention import build_attention_metadata, window_metadata
 from lanner.models.loader import ModelSource, load_model
 from lanner.models.tiny import make_tiny_model
 from lanner.plugins import PluginMismatch, PluginRuntime, StepKind, storage_ptrs, tensor_bytes
-from lanner.plugins.base import Hardware, _cpu_flags
+from lanner.plugins.base import Hardware
 from lanner.plugins.lowlat import LowLatPlugin
+from conftest import needs_lowlat
 
 TOL = 1e-4
 WINDOW = 8
@@ -132,7 +133,6 @@ def test_engine_greedy_matches_transformers(folder, hf, spec):
             assert out.metrics["spec_accept_length"] > 2
 
 
-needs_avx512 = pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="lowlat needs an AVX-512 CPU")
 
 def test_grouped_layout_and_its_tensor_parallel_step_message(model):
     """Tiny Gemma 3 (sliding, sliding, full, sliding): four one-layer groups, the full one first, sharing one
@@ -151,7 +151,7 @@ def test_grouped_layout_and_its_tensor_parallel_step_message(model):
                                                              c.group_tables) for c in chunks]
 
 
-@pytest.mark.parametrize("plugin", [None, pytest.param("lowlat", marks=needs_avx512)])
+@pytest.mark.parametrize("plugin", [None, pytest.param("lowlat", marks=needs_lowlat)])
 def test_local_layers_keep_only_the_window(folder, model, hf, plugin):
     """The engine's paged cache under the grouped layout (one full and three sliding one-layer groups): a
     120-token request runs in a pool that flat would hold 64 tokens of, its sliding groups hold between steps
@@ -217,7 +217,7 @@ def path_ids(prefix, tokens, parents, node):
     return prefix + [tokens[0]] + path[::-1]
 
 
-@needs_avx512
+@needs_lowlat
 def test_lowlat_matches_own_forward_and_transformers(model, hf):
     """float32: prefill chunks past the window, decode rows, a verify step of two sequences, then draft-tree rows
     (each reads the window of its own position: its ancestors, not the rows beside it), each step against the
@@ -250,7 +250,7 @@ def test_lowlat_matches_own_forward_and_transformers(model, hf):
     assert not any(k[0] == "none" for k in counts), counts
 
 
-@needs_avx512
+@needs_lowlat
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_lowlat_rows_are_batch_invariant(tmp_path, dtype):
     """A sequence's logits are the same bits whether its steps run alone or among other sequences' rows (prefill
@@ -271,7 +271,7 @@ def test_lowlat_rows_are_batch_invariant(tmp_path, dtype):
     assert not any(k[0] == "none" for k in crowd.plugins.counts)
 
 
-@needs_avx512
+@needs_lowlat
 def test_lowlat_bf16_speculation_is_lossless(folder):
     """bf16 greedy through LLM with lowlat: suffix speculation emits exactly the plain greedy tokens, and lowlat
     ran the verify steps."""
@@ -326,7 +326,8 @@ def test_real_gemma3_270m_gguf_generates_sensible_text(real_path):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs llama-cpp-python (make peers)")
 def test_real_gemma3_greedy_matches_llama_cpp(real_path):
     """Same file, same prompt tokens, 16 greedy tokens: Lanner in float32 on the dequantized weights, llama.cpp on
-    its quantized kernels. Where they part, llama.cpp's top-2 logit gap there says whether it was a near-tie."""
+    its quantized kernels. They may part only at a near-tie: llama.cpp's top-2 logit gap there under 0.05 (its
+    AVX2 and AVX-512 builds sum the quantized dot products in different orders; seen: 0.013 on an AVX2 CPU)."""
     from llama_cpp import Llama
 
     llm = LLM(model=real_path, dtype="float32", max_model_len=1024, kv_cache_memory="0.1GiB")
@@ -342,12 +343,13 @@ def test_real_gemma3_greedy_matches_llama_cpp(real_path):
         if mine != theirs:
             k = next(i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b)
             top2 = torch.tensor(peer.scores[len(p) + k - 1]).topk(2).values
-            pytest.fail(f"greedy tokens part at step {k}: ours {mine[k]}, llama.cpp {theirs[k]}; llama.cpp's top-2 "
-                        f"logit gap there {float(top2[0] - top2[1]):.4f}")
+            gap = float(top2[0] - top2[1])
+            assert gap < 0.05, (f"greedy tokens part at step {k}: ours {mine[k]}, llama.cpp {theirs[k]}, where "
+                                f"llama.cpp's top-2 logit gap is {gap:.4f}: not a near-tie")
 
 
 @needs_real
-@needs_avx512
+@needs_lowlat
 @pytest.mark.parametrize("weights", ["dequantize", "stored"])
 def test_real_gemma3_lowlat_greedy_matches_own_forward(real_path, weights):
     """float32, 32 greedy tokens of each prompt through lowlat (which also prefills: 64-token steps; the counting

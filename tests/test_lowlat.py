@@ -16,8 +16,9 @@ from lanner.models.llama import LlamaModel
 from lanner.plugins import Hardware, PluginMismatch, Step, StepKind
 from lanner.plugins.base import _cpu_flags
 from lanner.plugins.lowlat import LowLatPlugin
+from conftest import needs_avx512, needs_lowlat
 
-pytestmark = pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="lowlat needs an AVX-512 CPU")
+pytestmark = needs_lowlat
 
 PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    ",
            "Paris is the capital of a country that is famous for its food, its art and"]
@@ -202,7 +203,7 @@ def tiny_model(**extra):
 @pytest.mark.parametrize("extra", [{}, {"attention_bias": True, "architecture": "Qwen2ForCausalLM"},
                                    {"qk_norm": True, "architecture": "Qwen3ForCausalLM", "head_dim": 32}])
 @pytest.mark.parametrize("dtype,isa", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
-                                       (torch.bfloat16, "avx512f")])
+                                       pytest.param(torch.bfloat16, "avx512f", marks=needs_avx512)])
 def test_draft_model_structures(llm32_lowlat, extra, dtype, isa):
     """A model other than the one built (a draft model) gets its own kernel on first use; each Llama-family
     variant (Qwen2's q/k/v bias, Qwen3's q/k norm) against its own forward, one batched mixed step; bf16 with
@@ -237,6 +238,7 @@ def test_draft_model_structures(llm32_lowlat, extra, dtype, isa):
     assert plugin._kernel_for(draft) is not plugin._kernel  # the draft got its own kernel
 
 
+@needs_avx512
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_avx2_build_is_bit_identical(dtype):
     """isa="avx2" (lowlat built without AVX-512: csrc/avx2.h, as on an AVX2-only CPU) against the AVX-512F build:
@@ -266,6 +268,34 @@ def test_avx2_build_is_bit_identical(dtype):
         assert plugin._load_extension().isa == ("avx2" if isa == "avx2" else "avx512")
     (s1, kv1), (s2, kv2) = outs
     assert all(torch.equal(a, b) for x, y in zip(s1, s2) for a, b in zip(x, y)) and torch.equal(kv1, kv2)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_thread_count_does_not_change_bits(head_dim):
+    """One sequence's step on 1 and on 2 threads: attention items become runs of q heads that split a GQA group
+    (6 heads over 3 kv groups, 2 threads: heads 0-2 and 3-5), the GEMVs split their rows; every output bit is the
+    same. head_dim 64 takes the kernel compiled for that size, 48 the one reading it at run time."""
+    model = tiny_model(num_heads=6, num_kv_heads=3, head_dim=head_dim)
+    c = model.cfg
+    outs = []
+    for threads in (1, 2):
+        plugin = LowLatPlugin(threads=threads)
+        hw = Hardware.detect("cpu", torch.float32)
+        plugin.check(c, hw)
+        plugin.build(model, c, hw)
+        kv = torch.zeros(c.num_layers, 2, 60 * 16, c.num_kv_heads, c.head_dim)
+        caches = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
+        steps = []
+        for ql, cl in ((40, 40), (40, 80), (3, 83)):  # two chunks of prefill, then 3 verify rows
+            meta = build_attention_metadata([ql], [cl], [[7, 2, 9, 4, 11, 30]], 16, "cpu")
+            ids = torch.randint(0, 128, (ql,), generator=torch.Generator().manual_seed(cl))
+            with torch.inference_mode():
+                step = Step(StepKind.PREFILL if ql > 8 else StepKind.VERIFY, ql, 1)
+                hidden, _ = plugin.forward(step, model, ids, torch.arange(cl - ql, cl), caches, meta, ())
+                steps.append(plugin.compute_logits(step, model, hidden))
+        outs.append((steps, kv))
+    (s1, kv1), (s2, kv2) = outs
+    assert all(torch.equal(a, b) for a, b in zip(s1, s2)) and torch.equal(kv1, kv2)
 
 
 def test_check_names_the_mismatch():

@@ -18,10 +18,10 @@ from lanner.plugins import (
     storage_ptrs,
     tensor_bytes,
 )
-from lanner.plugins.base import _cpu_flags
 from lanner.plugins.lowlat import LowLatPlugin
+from conftest import needs_avx512, needs_lowlat
 
-pytestmark = pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="lowlat needs an AVX-512 CPU")
+pytestmark = needs_lowlat
 
 # layer 1 of the Qwen3-MoE model is dense (mlp_only_layers): both feed-forward kinds in one forward
 MOE = {
@@ -85,7 +85,7 @@ def rel(got, want):
 
 @pytest.mark.parametrize("name", list(MOE))
 @pytest.mark.parametrize("dtype,isa", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
-                                       (torch.bfloat16, "avx512f")])
+                                       pytest.param(torch.bfloat16, "avx512f", marks=needs_avx512)])
 def test_mixed_step_matches_own_forward(name, dtype, isa):
     model = tiny_moe(name).to(dtype)
     plugin = built(model, dtype, isa)
@@ -112,7 +112,7 @@ def test_results_do_not_depend_on_thread_count(dtype):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 
 
-@pytest.mark.parametrize("isa", ["auto", "avx512f"])
+@pytest.mark.parametrize("isa", ["auto", pytest.param("avx512f", marks=needs_avx512)])
 def test_bf16_rounding_points_bit_exact(isa):
     """Where every GEMV is exact (+-1 activations, weights on a 1/16 grid, o_proj zero), the MoE layer's output
     is the engine's bit for bit: the kernel rounds to bf16 where the module does (router logits, gate/up, SiLU,

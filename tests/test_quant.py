@@ -12,11 +12,10 @@ from lanner.models import quant
 from lanner.models.config import UnsupportedModelError
 from lanner.models.loader import ModelSource, load_config, load_model, open_gguf
 from lanner.plugins import Hardware, Step, StepKind
-from lanner.plugins.base import _cpu_flags
 from lanner.plugins.lowlat import LowLatPlugin
+from conftest import needs_avx512, needs_lowlat
 
 gguf = pytest.importorskip("gguf")
-needs_avx512 = pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="lowlat needs an AVX-512 CPU")
 BS = 16
 
 
@@ -105,7 +104,7 @@ def _q8_activations(x):
     return (codes * (amax / 127).half().double()).reshape(x.shape)
 
 
-@needs_avx512
+@needs_lowlat
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
 def test_k_quant_kernels(plugins, name):
     """lowlat's GEMV over K-quant blocks, 1-4 rows per weight pass: float activations within 1e-5 of the float32
@@ -146,7 +145,7 @@ def _caches(cfg, blocks=40, dtype=torch.float32):
 PROMPT = list(range(1000, 1030))
 
 
-@needs_avx512
+@needs_lowlat
 def test_float_activations_match_dequantized_reference(models, plugins):
     """act="float": prefill of 30 rows, then 2 decode steps, hidden states and logits within 1e-4 (relative max)
     of the float32 model built from the dequantized weights."""
@@ -178,7 +177,7 @@ def _check_invariance(model, plug, cfg, dtype=torch.float32):
         assert all(torch.equal(x[0], y[-1]) for x, y in zip(alone, got)), len(rows)
 
 
-@needs_avx512
+@needs_lowlat
 @pytest.mark.parametrize("act", ["float", "q8", "dense"])
 def test_batch_invariance(models, plugins, act):
     """Stored weights in both activation modes, and float32 weights."""
@@ -186,7 +185,7 @@ def test_batch_invariance(models, plugins, act):
     _check_invariance(dense if act == "dense" else stored, plugins[act], cfg)
 
 
-@needs_avx512
+@needs_lowlat
 def test_bf16_batch_invariance(models):
     """bf16 weights (the default dtype) with bf16 activations: lowlat's default is batch-invariant there too."""
     src = ModelSource.resolve(None)
@@ -205,7 +204,7 @@ def llm_q8():
                spec="ngram", spec_max_batch=1, kv_cache_memory="0.25GiB")
 
 
-@needs_avx512
+@needs_lowlat
 def test_speculative_greedy_equals_plain_q8(llm_q8):
     """With q8 activations (not float32 arithmetic) n-gram speculation still emits exactly the plain greedy tokens:
     the verify rows compute the bits of decode rows."""

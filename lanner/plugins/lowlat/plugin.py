@@ -26,6 +26,15 @@ from lanner.plugins.base import (
 )
 
 log = logging.getLogger("lanner")
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+
+
+def cpu_variant(cpu_flags) -> str | None:
+    """The build of the extension a CPU with these flags runs by default: "avx512" (AVX-512F), "avx2" (AVX2 + FMA
+    + F16C: the same kernels on 256-bit halves, csrc/avx2.h) or None (neither: lowlat does not run)."""
+    if "avx512f" in cpu_flags:
+        return "avx512"
+    return "avx2" if all(f in cpu_flags for f in AVX2_FLAGS) else None
 
 
 class LowLatPlugin(Plugin):
@@ -138,7 +147,7 @@ class LowLatPlugin(Plugin):
         if self.variant == "avx512" and "avx512f" not in hardware.cpu_flags:
             raise PluginMismatch(f"lowlat: the CPU ({hardware.device_name or 'unknown'}) lacks the avx512f flag "
                                  "that isa='avx512f' asks for")
-        missing = [f for f in ("avx2", "fma", "f16c") if f not in hardware.cpu_flags]
+        missing = [f for f in AVX2_FLAGS if f not in hardware.cpu_flags]
         if self.variant == "avx2" and missing:
             raise PluginMismatch(f"lowlat: the CPU ({hardware.device_name or 'unknown'}) has neither AVX-512F nor "
                                  f"AVX2 + FMA + F16C (it lacks {', '.join(missing)})")

@@ -180,6 +180,32 @@ static inline __m512 exp512_fast(__m512 x) {
 
 // sum of squares in 16 float32 lanes, then across lanes: close to PyTorch's vectorized mean of x^2 in
 // F.rms_norm (bf16 results agree in all but ~1e-6 of elements; a sequential sum disagrees in ~1e-4)
+// lane k = _mm512_reduce_add_ps(a[k]), bit for bit (GCC adds halves, then quarters, then (x0 + x2) + (x1 + x3);
+// the same pairs are added here, 16 vectors at a time, in 45 shuffles and adds instead of 16 x 8)
+static inline __m512 reduce16(const __m512* a) {
+#ifdef __AVX512F__
+  __m512 q[4];
+  for (int g = 0; g < 4; g++) {  // q[g]'s 128-bit lane m: key g + 4 m, its 256-bit halves and quarters added
+    auto half = [&](int x, int y) {  // [x.lo256 + x.hi256 | y.lo256 + y.hi256]
+      return _mm512_add_ps(_mm512_shuffle_f32x4(a[x], a[y], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_f32x4(a[x], a[y], _MM_SHUFFLE(3, 2, 3, 2)));
+    };
+    const __m512 p1 = half(g, g + 4), p2 = half(g + 8, g + 12);
+    q[g] = _mm512_add_ps(_mm512_shuffle_f32x4(p1, p2, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(p1, p2, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // per 128-bit lane [t0, t1, t2, t3] of each q: (t0 + t2) and (t1 + t3), then their sum
+  const __m512 r01 = _mm512_add_ps(_mm512_unpacklo_ps(q[0], q[1]), _mm512_unpackhi_ps(q[0], q[1]));
+  const __m512 r23 = _mm512_add_ps(_mm512_unpacklo_ps(q[2], q[3]), _mm512_unpackhi_ps(q[2], q[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(r01, r23, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(r01, r23, _MM_SHUFFLE(3, 2, 3, 2)));
+#else
+  alignas(64) float s[16];
+  for (int k = 0; k < 16; k++) s[k] = _mm512_reduce_add_ps(a[k]);
+  return _mm512_loadu_ps(s);
+#endif
+}
+
 static inline float sumsq(const float* x, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
@@ -950,12 +976,15 @@ struct Model {
     return out.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
   }
 
-  // one (sequence, q-head) attention item: rows t0..t0+nq-1 of q at positions pos[t] over keys 0..ctx-1.
+  // one attention item: the q heads h0 .. h0 + nh - 1 of one kv group (GQA), rows t0..t0+nq-1 of q at positions
+  // pos[t] over keys 0..ctx-1. Each key and value vector is loaded once for all the item's (row, head) pairs.
   // The arithmetic follows PyTorch's CPU flash attention (what the engine's SDPA runs), so that bf16 results
   // agree bit for bit in nearly all elements: keys in blocks of 512 with an online softmax (running max,
   // rescaled sum and output); fexp_u20 (bf16) / exp_u20 (float32) on the 16-wide part of a block and std::exp
   // on its tail, where the block length is that of the padded batch (kv_len = max ctx over the batch); the sum
   // over float32 exponentials; bf16 models round the exponentials to bf16 for P @ V; output times 1 / sum.
+  // Every (row, head) pair runs the same instructions in the same order whatever else shares its item, so how
+  // heads are grouped into items (a scheduling choice) never changes a result.
   // anc: a draft tree's rows (nullptr: causal rows): row i reads the context before the step's first row and, of
   // the step's rows, those whose bit is set in anc[i] (its ancestors and itself), in that order: the keys, and so
   // the arithmetic, of a one-row step at its position (the depth) after its path was accepted.
@@ -963,16 +992,41 @@ struct Model {
   // rows too); the key blocks stay at multiples of 512, so a row's arithmetic still depends on its keys alone
   template <typename WT, typename XT>
   void attend(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
-              const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h, XT* ain,
-              std::vector<float>& S, std::vector<float>& O, const int64_t* anc = nullptr, int64_t win = 0) const {
-    constexpr int64_t kBlock = 512;
+              const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0, int64_t nh,
+              XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc = nullptr,
+              int64_t win = 0) const {
+    switch (D / 16) {  // the head size as a constant: the key, value and accumulator vectors stay in registers
+      case 4: return attend_nv<WT, XT, 4>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+      case 8: return attend_nv<WT, XT, 8>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+      case 16: return attend_nv<WT, XT, 16>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+      default: return attend_nv<WT, XT, 0>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+    }
+  }
+
+  template <typename WT, typename XT, int NV>  // NV: D / 16, or 0 for any other head size (read at run time)
+  void attend_nv(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
+                 const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0, int64_t nh,
+                 XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc, int64_t win) const {
+    constexpr int64_t kBlock = 512, kTile = 16, ldS = kBlock + kTile;  // (a tile's 16 scores may pass a block's end)
     constexpr bool kBf = std::is_same<WT, bf16_t>::value;
-    const int64_t g = h / (H / Hkv), ldq = H * D, nv = D / 16;
-    if ((int64_t)S.size() < nq * kBlock) S.resize(nq * kBlock);
-    if ((int64_t)O.size() < nq * D) O.resize(nq * D);
-    const float sc = float(scale);
+    constexpr int kReg = NV > 0 ? NV : 1;
+    const int64_t nv = NV > 0 ? NV : D / 16;
+    // the item's kv groups g0 .. g1 - 1 (adjacent in each cache row, read together); item row r = (step row r / nh,
+    // head h0 + r % nh)
+    const int64_t rep = H / Hkv, g0 = h0 / rep, g1 = (h0 + nh - 1) / rep + 1, ldq = H * D, R = nq * nh;
+    auto heads_of = [&](int64_t gg, int64_t& a, int64_t& b) {  // the item's heads (offsets from h0) in group gg
+      a = std::max(h0, gg * rep) - h0;
+      b = std::min(h0 + nh, (gg + 1) * rep) - h0;
+    };
+    if ((int64_t)S.size() < R * ldS + (kTile + 1) * D) S.resize(R * ldS + (kTile + 1) * D);
+    if ((int64_t)O.size() < R * (D + 2)) O.resize(R * (D + 2));
+    float* tile = S.data() + R * ldS;  // 16 keys or values as float32 (bf16 caches), then a zero row
+    float* zero = tile + kTile * D;
+    std::fill(zero, zero + D, 0.f);
+    float* mx = O.data() + R * D;  // running max and sum per item row
+    float* sum = mx + R;
+    const __m512 scv = _mm512_set1_ps(float(scale));
     int64_t lim[kMaxRows], lo[kMaxRows];
-    float mx[kMaxRows], sum[kMaxRows];
     int64_t maxlim = 0, minlo = ctx;
     const int64_t c0 = ctx - nq;  // slot position of the step's first row
     int8_t path[64][64];  // tree row i's k-th key past the context is step row path[i][k] (a tree has <= 63 rows)
@@ -980,49 +1034,108 @@ struct Model {
       for (int64_t i = 0; i < nq; i++)
         for (int64_t r = 0, k = 0; r <= i; r++)
           if ((anc[i] >> r) & 1) path[i][k++] = int8_t(r);
-    // the cache slot of row i's j-th key
+    // the cache slot of row i's j-th key (a shift and a mask for the usual power-of-two block size: an int64
+    // division per key costs more than its dot product)
+    const int shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(uint64_t(bs)) : -1;
     auto slot = [&](int64_t i, int64_t j) {
       const int64_t p = anc != nullptr && j >= c0 ? c0 + path[i][j - c0] : j;
-      return bt[p / bs] * bs + p % bs;
+      return shift >= 0 ? (bt[p >> shift] << shift) + (p & (bs - 1)) : bt[p / bs] * bs + p % bs;
     };
     for (int64_t i = 0; i < nq; i++) {
       lim[i] = anc != nullptr ? c0 + __builtin_popcountll(uint64_t(anc[i])) : std::min(pos[t0 + i] + 1, ctx);
       lo[i] = win > 0 ? std::max<int64_t>(0, pos[t0 + i] - win + 1) : 0;
       maxlim = std::max(maxlim, lim[i]);
       minlo = std::min(minlo, lo[i]);
-      mx[i] = -INFINITY;
-      sum[i] = 0.f;
     }
-    std::fill(O.begin(), O.begin() + nq * D, 0.f);
+    std::fill(mx, mx + R, -INFINITY);
+    std::fill(sum, sum + R, 0.f);
+    std::fill(O.begin(), O.begin() + R * D, 0.f);
+    auto kv_at = [&](const WT* c, int64_t i, int64_t j, int64_t gg) { return c + (slot(i, j) * Hkv + gg) * D; };
+    // keys (or values) j0 .. j0 + nk - 1, shared by all rows, as float32 rows; zeros past nk
+    const float* rows[kTile];
+    auto gather = [&](const WT* c, int64_t j0, int64_t nk, int64_t gg) {
+      for (int64_t k = 0; k < kTile; k++) {
+        if (k >= nk) {
+          rows[k] = zero;
+          continue;
+        }
+        const WT* p = kv_at(c, 0, j0 + k, gg);
+        if constexpr (kBf) {
+          for (int64_t v = 0; v < nv; v++) _mm512_storeu_ps(tile + k * D + v * 16, load16(p + v * 16));
+          rows[k] = tile + k * D;
+        } else {
+          rows[k] = p;
+        }
+      }
+    };
+    // one (row, head)'s score for one key: the 16-wide FMA chain, then the horizontal sum
+    auto dot = [&](const float* qi, const WT* kp) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t v = 0; v < nv; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + v * 16), load16(kp + v * 16), acc);
+      return _mm512_reduce_add_ps(acc) * float(scale);
+    };
     for (int64_t n0 = minlo / kBlock * kBlock; n0 < maxlim; n0 += kBlock) {
       const int64_t n1 = std::min(n0 + kBlock, maxlim);
       const int64_t vec_end = n0 + (std::min(kBlock, kv_len - n0) / 16) * 16;  // exp_u20 below, std::exp above
-      // scores of this block: S[i][j - n0]
-      for (int64_t j = std::max(n0, minlo); j < n1; j++) {
-        const bool shared = anc == nullptr || j < c0;  // every row's j-th key is the same one
-        const WT* kp = shared ? kc + (slot(0, j) * Hkv + g) * D : nullptr;
-        __m512 kv[8];
-        if (shared)
-          for (int64_t v = 0; v < nv && v < 8; v++) kv[v] = load16(kp + v * 16);
-        for (int64_t i = 0; i < nq; i++) {
-          if (j >= lim[i] || j < lo[i]) continue;
-          const float* qi = q + (t0 + i) * ldq + h * D;
-          const WT* ki = shared ? kp : kc + (slot(i, j) * Hkv + g) * D;
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t v = 0; v < nv; v++)
-            acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + v * 16), shared && v < 8 ? kv[v] : load16(ki + v * 16), acc);
-          S[i * kBlock + j - n0] = _mm512_reduce_add_ps(acc) * sc;
+      const int64_t jb = std::max(n0, minlo);
+      // keys every row shares: jb .. je - 1; a draft tree's rows read their own keys from c0 on
+      const int64_t je = anc != nullptr ? std::min(n1, std::max(c0, jb)) : n1, jt = std::max(jb, je);
+      // scores of this block: S[r][j - n0]; 16 keys at a time, summed across lanes together (reduce16: the
+      // bits of _mm512_reduce_add_ps per key)
+      for (int64_t j0 = jb; j0 < je; j0 += kTile) {
+        const int64_t nk = std::min(kTile, je - j0);
+        for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
+          gather(kc, j0, nk, gg);
+          heads_of(gg, ha, hb);
+          for (int64_t i = 0; i < nq; i++) {
+            if (j0 >= lim[i] || j0 + nk <= lo[i]) continue;
+            for (int64_t hh = ha; hh < hb; hh++) {
+              const float* qi = q + (t0 + i) * ldq + (h0 + hh) * D;
+              __m512 acc[kTile];
+              for (int64_t k = 0; k < kTile; k++) acc[k] = _mm512_setzero_ps();
+              if constexpr (NV > 0) {
+                __m512 qv[kReg];
+                for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(qi + v * 16);
+                for (int64_t k = 0; k < kTile; k++)
+                  for (int v = 0; v < NV; v++)
+                    acc[k] = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(rows[k] + v * 16), acc[k]);
+              } else {
+                for (int64_t v = 0; v < nv; v++) {
+                  const __m512 qv = _mm512_loadu_ps(qi + v * 16);
+                  for (int64_t k = 0; k < kTile; k++)
+                    acc[k] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[k] + v * 16), acc[k]);
+                }
+              }
+              _mm512_storeu_ps(S.data() + (i * nh + hh) * ldS + j0 - n0, _mm512_mul_ps(reduce16(acc), scv));
+            }
+          }
         }
       }
-      // online softmax update per row
-      for (int64_t i = 0; i < nq; i++) {
+      for (int64_t j = jt; j < n1; j++)  // a draft tree's own rows
+        for (int64_t i = 0; i < nq; i++) {
+          if (j >= lim[i] || j < lo[i]) continue;
+          for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
+            const WT* kp = kv_at(kc, i, j, gg);
+            heads_of(gg, ha, hb);
+            for (int64_t hh = ha; hh < hb; hh++)
+              S[(i * nh + hh) * ldS + j - n0] = dot(q + (t0 + i) * ldq + (h0 + hh) * D, kp);
+          }
+        }
+      // online softmax update per item row
+      for (int64_t r = 0; r < R; r++) {
+        const int64_t i = r / nh;
         const int64_t s0 = std::max(lo[i], n0) - n0;  // valid keys of row i in this block: s0 .. s0 + n - 1
         const int64_t n = std::min(lim[i], n1) - n0 - s0;
         if (n <= 0) continue;
-        float* srow = S.data() + i * kBlock + s0;
-        float m = mx[i];
-        for (int64_t j = 0; j < n; j++) m = std::max(m, srow[j]);
-        const __m512 mv = _mm512_set1_ps(m);
+        float* srow = S.data() + r * ldS + s0;
+        __m512 mv = _mm512_set1_ps(mx[r]);  // the running max (a max is exact: the order is free)
+        for (int64_t j = 0; j < n; j += 16) {
+          const __mmask16 mk = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+          const __m512 x = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), _mm512_maskz_loadu_ps(mk, srow + j));
+          mv = _mm512_max_ps(mv, x);
+        }
+        const float m = _mm512_reduce_max_ps(mv);
+        mv = _mm512_set1_ps(m);
         const int64_t nvec = (invariant ? n : std::max<int64_t>(0, std::min(n, vec_end - n0 - s0))) / 16 * 16;
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < nvec; j += 16) {
@@ -1038,38 +1151,77 @@ struct Model {
           bsum += e;
           srow[j] = kBf ? rbf(e) : e;
         }
-        const float corr = std::exp(mx[i] - m);  // exp(-inf) = 0 on the first block
-        sum[i] = bsum + corr * sum[i];
-        mx[i] = m;
+        const float corr = std::exp(mx[r] - m);  // exp(-inf) = 0 on the first block
+        sum[r] = bsum + corr * sum[r];
+        mx[r] = m;
         if (n0 > 0) {  // (zeros times 0 on a windowed row's first block)
-          float* o = O.data() + i * D;
+          float* o = O.data() + r * D;
           for (int64_t d = 0; d < D; d++) o[d] *= corr;
         }
       }
-      // P @ V for this block
-      for (int64_t j = std::max(n0, minlo); j < n1; j++) {
-        const bool shared = anc == nullptr || j < c0;
-        const WT* vp = shared ? vc + (slot(0, j) * Hkv + g) * D : nullptr;
-        __m512 vv[8];
-        if (shared)
-          for (int64_t v = 0; v < nv && v < 8; v++) vv[v] = load16(vp + v * 16);
-        for (int64_t i = 0; i < nq; i++) {
-          if (j >= lim[i] || j < lo[i]) continue;
-          const __m512 p = _mm512_set1_ps(S[i * kBlock + j - n0]);
-          const WT* vi = shared ? vp : vc + (slot(i, j) * Hkv + g) * D;
-          float* o = O.data() + i * D;
-          for (int64_t v = 0; v < nv; v++)
-            _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, shared && v < 8 ? vv[v] : load16(vi + v * 16),
-                                                         _mm512_loadu_ps(o + v * 16)));
+      // P @ V for this block, keys in ascending order: the shared ones 16 at a time, each (row, head)'s output
+      // held in registers over the tile, then a tree's own rows
+      for (int64_t j0 = jb; j0 < je; j0 += kTile) {
+        const int64_t nk = std::min(kTile, je - j0);
+        for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
+          gather(vc, j0, nk, gg);
+          heads_of(gg, ha, hb);
+          for (int64_t i = 0; i < nq; i++) {
+            const int64_t ka = std::max(j0, lo[i]) - j0, kb = std::min(j0 + nk, lim[i]) - j0;
+            if (ka >= kb) continue;
+            for (int64_t hh = ha; hh < hb; hh++) {
+              const int64_t r = i * nh + hh;
+              const float* sr = S.data() + r * ldS + j0 - n0;
+              float* o = O.data() + r * D;
+              if constexpr (NV > 0) {
+                __m512 ov[kReg];
+                for (int v = 0; v < NV; v++) ov[v] = _mm512_loadu_ps(o + v * 16);
+                for (int64_t k = ka; k < kb; k++) {
+                  const __m512 p = _mm512_set1_ps(sr[k]);
+                  for (int v = 0; v < NV; v++) ov[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[k] + v * 16), ov[v]);
+                }
+                for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + v * 16, ov[v]);
+              } else {
+                for (int64_t k = ka; k < kb; k++) {
+                  const __m512 p = _mm512_set1_ps(sr[k]);
+                  for (int64_t v = 0; v < nv; v++)
+                    _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[k] + v * 16),
+                                                                 _mm512_loadu_ps(o + v * 16)));
+                }
+              }
+            }
+          }
         }
       }
+      for (int64_t j = jt; j < n1; j++)
+        for (int64_t i = 0; i < nq; i++) {
+          if (j >= lim[i] || j < lo[i]) continue;
+          for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
+            const WT* vp = kv_at(vc, i, j, gg);
+            heads_of(gg, ha, hb);
+            for (int64_t hh = ha; hh < hb; hh++) {
+              const int64_t r = i * nh + hh;
+              const __m512 p = _mm512_set1_ps(S[r * ldS + j - n0]);
+              float* o = O.data() + r * D;
+              for (int64_t v = 0; v < nv; v++)
+                _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, load16(vp + v * 16), _mm512_loadu_ps(o + v * 16)));
+            }
+          }
+        }
     }
-    for (int64_t i = 0; i < nq; i++) {
-      const float inv = 1.0f / sum[i];
-      for (int64_t d = 0; d < D; d++) stf<XT>(ain, (t0 + i) * ldq + h * D + d, rnd<WT>(O[i * D + d] * inv));
+    for (int64_t r = 0; r < R; r++) {
+      const int64_t i = r / nh, h = h0 + r % nh;
+      const float inv = 1.0f / sum[r];
+      for (int64_t d = 0; d < D; d++) stf<XT>(ain, (t0 + i) * ldq + h * D + d, rnd<WT>(O[r * D + d] * inv));
     }
   }
 
+  // the attention items of a step with B sequences: (sequence, run of its q heads), numbered sequence-major. One
+  // item per sequence reads each cache row (all kv groups, adjacent) in one pass; a single sequence splits its
+  // heads into one run per thread.
+  int64_t items_per_sequence(int64_t B, int nt) const { return std::min<int64_t>(H, (nt + B - 1) / B); }
+  int64_t item_head(int64_t k, int64_t n) const { return k * H / n; }  // item k of n: heads item_head(k) ..
+  int64_t item_heads(int64_t k, int64_t n) const { return (k + 1) * H / n - k * H / n; }
   // ---------------------------------------------------------------------------------------------- MoE
   // One thread's routing of a step's rows (every thread computes the same, privately: no barrier): per row the
   // top-k experts and weights, then the dispatch: a bitmap of the experts hit, each one's row count, and its rows
@@ -1292,6 +1444,10 @@ struct Model {
       XT* xin = buf<XT>(off_xin + tid * xin_stride);
       thread_local std::vector<float> S, O;
       thread_local Route rt;
+      // this thread's attention items: a contiguous run (a kv group split over two items stays on one core)
+      const int64_t items_per_seq = items_per_sequence(B, nt);
+      int64_t ia, ib;
+      split(B * items_per_seq, 1, tid, nt, ia, ib);
       auto t_last = std::chrono::steady_clock::now();
       // thread 0 books the time since its last mark to phase `slot` (0 GEMV, 1 attention, 2 barrier, 3 other)
       auto mark = [&](int slot) {
@@ -1377,11 +1533,11 @@ struct Model {
         mark(3);
 #pragma omp barrier
         mark(2);
-        // --- attention over the paged cache: items (sequence, q head), round robin
-        for (int64_t it = tid; it < B * H; it += nt) {
-          const int64_t sb = it / H, h = it % H;
-          attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, gbts[lgroup[l]][sb], bs, kcs[l], vcs[l], h,
-                         ain, S, O,
+        // --- attention over the paged cache: this thread's items (sequence, run of q heads)
+        for (int64_t it = ia; it < ib; it++) {
+          const int64_t sb = it / items_per_seq, k = it % items_per_seq;
+          attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, gbts[lgroup[l]][sb], bs, kcs[l], vcs[l],
+                         item_head(k, items_per_seq), item_heads(k, items_per_seq), ain, S, O,
                          tree_[sb].empty() ? nullptr : tree_[sb].data(), local ? window : 0);
         }
         mark(1);
@@ -1628,10 +1784,14 @@ struct Model {
     std::vector<float> S, O, outf(T * H * D);
     auto run_all = [&](auto tag) {
       using WT = decltype(tag);
-      for (int64_t it = 0; it < B * H; it++)
-        attend<WT, float>(qf.data_ptr<float>(), pos.data_ptr<int64_t>(), row0[it / H], q_lens[it / H],
-                          ctx_lens[it / H], kv_len, bts[it / H], bs, reinterpret_cast<const WT*>(kc.data_ptr()),
-                          reinterpret_cast<const WT*>(vc.data_ptr()), it % H, outf.data(), S, O);
+      const int64_t n = items_per_sequence(B, 1);  // the forward's items on one thread
+      for (int64_t it = 0; it < B * n; it++) {
+        const int64_t b = it / n, k = it % n;
+        attend<WT, float>(qf.data_ptr<float>(), pos.data_ptr<int64_t>(), row0[b], q_lens[b], ctx_lens[b], kv_len,
+                          bts[b], bs, reinterpret_cast<const WT*>(kc.data_ptr()),
+                          reinterpret_cast<const WT*>(vc.data_ptr()), item_head(k, n), item_heads(k, n), outf.data(),
+                          S, O);
+      }
     };
     if (bf16) run_all(bf16_t{});
     else run_all(float{});
@@ -1861,8 +2021,8 @@ struct Head {
 #pragma omp barrier
         const int64_t kv_len = *std::max_element(ctx.begin(), ctx.end());
         for (int64_t it = tid; it < B * H; it += nt)
-          m.attend<WT, XT>(q, pos.data(), row0[it / H], 1, ctx[it / H], kv_len, bts[it / H], bs, kc, vc, it % H, ain,
-                           S, O);
+          m.attend<WT, XT>(q, pos.data(), row0[it / H], 1, ctx[it / H], kv_len, bts[it / H], bs, kc, vc, it % H, 1,
+                           ain, S, O);
 #pragma omp barrier
         split(h, 16, tid, nt, a, b_);
         gemv<WT, XT>(ptr<WT>(o_w), H * D, a, b_, ain, H * D, M, tmp, h);
