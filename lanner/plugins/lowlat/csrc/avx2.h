@@ -177,8 +177,19 @@ static inline i512 slli_epi32(i512 a, int n) { return {_mm256_slli_epi32(a.lo, n
 static inline i512 srli_epi32(i512 a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
 static inline i512 abs_epi8(i512 a) { return {_mm256_abs_epi8(a.lo), _mm256_abs_epi8(a.hi)}; }
 static inline i512 sign_epi8(i512 a, i512 b) { return {_mm256_sign_epi8(a.lo, b.lo), _mm256_sign_epi8(a.hi, b.hi)}; }
-// 16 x 16-bit lanes, masked ones not read: the AVX512BW/VL load, for tails
+// 16 x 16-bit lanes, masked ones not read: the AVX512BW/VL load. Whole vectors are one load, and masks that keep
+// or drop lanes in pairs (the even block counts of the quantized rows) one 32-bit maskload; only odd masks copy
+// lane by lane (a store-forwarding stall: slow)
 static inline __m256i maskz_loadu_epi16_256(unsigned m, const void* p) {
+  m &= 0xffff;
+  if (m == 0xffff) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  if (((m ^ (m >> 1)) & 0x5555) == 0) {  // pairs: bit 2i == bit 2i + 1; keep the even bits, packed into 8
+    unsigned e = m & 0x5555;
+    e = (e | (e >> 1)) & 0x3333;
+    e = (e | (e >> 2)) & 0x0f0f;
+    e = (e | (e >> 4)) & 0x00ff;
+    return _mm256_maskload_epi32(static_cast<const int*>(p), lanes(e));
+  }
   alignas(32) uint16_t b[16] = {};
   const uint16_t* s = static_cast<const uint16_t*>(p);
   for (int i = 0; i < 16; i++)

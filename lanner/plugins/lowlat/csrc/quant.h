@@ -45,8 +45,8 @@ struct Q8Row {
   int8_t* q;
   float* db;    // [pairs][16]
   int32_t* nc;  // [pairs][16]
-  float* s;     // [blocks]
-  static int64_t bytes(int64_t nbp) { return nbp * 32 + (nbp / 2) * 64 * 2 + nbp * 4; }
+  float* s;     // [blocks], zero-padded to a multiple of 16 (read 16 at a time)
+  static int64_t bytes(int64_t nbp) { return nbp * 32 + (nbp / 2) * 64 * 2 + (nbp + 15) / 16 * 16 * 4; }
   static Q8Row at(char* base, int64_t nbp) {
     return {reinterpret_cast<int8_t*>(base), reinterpret_cast<float*>(base + nbp * 32),
             reinterpret_cast<int32_t*>(base + nbp * 32 + nbp / 2 * 64), reinterpret_cast<float*>(base + nbp * 32 + nbp * 64)};
@@ -81,6 +81,7 @@ static void quantize_q8(const float* x, int64_t K, int64_t nbp, Q8Row r) {
     float* db = r.db + (b / 2) * 16 + (b % 2) * 8;
     for (int i = 0; i < 8; i++) db[i] = dh;
   }
+  for (int64_t b = nbp; b % 16; b++) r.s[b] = 0.f;
   for (int64_t p = 0; p < nbp / 2; p++) {  // -128 * sum of each lane's 4 codes
     const __m512i xv = _mm512_loadu_si512((const void*)(r.q + p * 64));
     const __m512i s4 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_set1_epi8(1), xv), _mm512_set1_epi16(1));
@@ -88,48 +89,61 @@ static void quantize_q8(const float* x, int64_t K, int64_t nbp, Q8Row r) {
   }
 }
 
-// the block pair's two weight scales (float16), lanes 0-7 the even block's, 8-15 the odd block's
-static inline __m512 pair_scales(const uint16_t* d, int64_t p) {
-  const __m512 lo = _mm512_set1_ps(h2f(d[2 * p])), hi = _mm512_set1_ps(h2f(d[2 * p + 1]));
-  return _mm512_mask_blend_ps((__mmask16)0xff00, lo, hi);
+// The weight scale of each lane of a block pair (vpdpbusd's lane i sums elements 4i..4i+3): lanes 0-7 the even
+// block's, 8-15 the odd one's, from the float32 scales of the two blocks (f2) or of a Q6_K's four 16-element
+// sub-blocks (f4)
+static inline __m512 pair_lanes(const float* f2) {
+#ifdef __AVX512F__
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double*)f2))));
+#else
+  return {_mm256_broadcast_ss(f2), _mm256_broadcast_ss(f2 + 1)};
+#endif
 }
-
-// the weight scale of each lane of block pair p of row n (vpdpbusd's lane i sums elements 4i..4i+3): float16
-// per block of 32, or a K-quant's float32 per 32 (u4) / per 16 (s8)
-template <bool KQ>
-static inline __m512 lane_scales(const QW& w, int64_t n, int64_t p) {
-  if constexpr (!KQ) return pair_scales(w.d + n * w.nbp, p);
-  if (w.fmt == kU4) {
-    const float* d = w.df + n * w.nbp + 2 * p;
-    return _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(d[0]), _mm512_set1_ps(d[1]));
-  }
+static inline __m512 quad_lanes(const float* f4) {
   const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(w.df + n * 2 * w.nbp + 4 * p)));
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(f4)));
 }
 
-// weight row n against MB q8 activation rows -> out[r * ldo]
+// weight row n against MB q8 activation rows -> out[r * ldo]. Even pairs sum into acc0, odd ones into acc1: the
+// loop takes two pairs a turn so that both chains stay in registers (indexed by p & 1 they went through memory)
 template <int MB, bool KQ>
 static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, int64_t ldo) {
   const int64_t np = w.nbp / 2;
-  __m512 acc[MB][2];
-  for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc0[MB], acc1[MB];
+  for (int r = 0; r < MB; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  auto sc = [&](int64_t p) {
+    if constexpr (!KQ) {
+      const uint16_t* d = w.d + n * w.nbp;
+      return _mm512_mask_blend_ps((__mmask16)0xff00, _mm512_set1_ps(h2f(d[2 * p])), _mm512_set1_ps(h2f(d[2 * p + 1])));
+    }
+    if (w.fmt == kS8) return quad_lanes(w.df + n * 2 * w.nbp + 4 * p);
+    return pair_lanes(w.df + n * w.nbp + 2 * p);
+  };
+  auto pairs = [&](auto&& pair) {
+    int64_t p = 0;
+    for (; p + 2 <= np; p += 2) {
+      pair(p, acc0, sc(p));
+      pair(p + 1, acc1, sc(p + 1));
+    }
+    if (p < np) pair(p, acc0, sc(p));
+  };
   if (w.fmt == kU4) {
     const uint8_t* qs = w.qs + n * np * 32;
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
-    for (int64_t p = 0; p < np; p++) {
+    pairs([&](int64_t p, __m512* acc, __m512 dw) {
       const __m256i raw = _mm256_loadu_si256((const __m256i*)(qs + p * 32));
       const __m512i wq = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(raw, lo4)),
                                             _mm256_and_si256(_mm256_srli_epi16(raw, 4), lo4), 1);
-      const __m512 dw = lane_scales<KQ>(w, n, p);
       for (int r = 0; r < MB; r++) {
         const __m512i s = dot_u8s8(_mm512_setzero_si512(), wq, _mm512_loadu_si512((const void*)(xr[r].q + p * 64)));
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xr[r].db + p * 16));
-        acc[r][p & 1] = _mm512_fmadd_ps(t, dw, acc[r][p & 1]);
+        acc[r] = _mm512_fmadd_ps(t, dw, acc[r]);
       }
-    }
+    });
   } else {
     const int8_t* qs = reinterpret_cast<const int8_t*>(w.qs) + n * w.nbp * 32;
-    for (int64_t p = 0; p < np; p++) {
+    pairs([&](int64_t p, __m512* acc, __m512 dw) {
       const __m512i raw = _mm512_loadu_si512((const void*)(qs + p * 64));
 #ifdef __AVX512VNNI__
       const __m512i wq = _mm512_xor_si512(raw, _mm512_set1_epi8((char)0x80));
@@ -139,7 +153,6 @@ static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, 
       const __mmask64 neg = _mm512_movepi8_mask(raw);
 #endif
 #endif
-      const __m512 dw = lane_scales<KQ>(w, n, p);
       for (int r = 0; r < MB; r++) {
         const __m512i xv = _mm512_loadu_si512((const void*)(xr[r].q + p * 64));
 #ifdef __AVX512VNNI__
@@ -153,20 +166,23 @@ static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, 
         const __m512i s = _mm512_madd_epi16(_mm512_maddubs_epi16(wq, xs), _mm512_set1_epi16(1));
 #endif
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xr[r].db + p * 16));
-        acc[r][p & 1] = _mm512_fmadd_ps(t, dw, acc[r][p & 1]);
+        acc[r] = _mm512_fmadd_ps(t, dw, acc[r]);
       }
-    }
+    });
   }
   for (int r = 0; r < MB; r++) {
-    float v = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    float v = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
     if (w.fmt == kU4) {  // + sum over blocks of m * s, 16 blocks per step
       __m512 a = _mm512_setzero_ps();
       for (int64_t b = 0; b < w.nbp; b += 16) {
-        const __mmask16 mk = (__mmask16)(w.nbp - b >= 16 ? 0xffff : (1u << (w.nbp - b)) - 1);
-        __m512 mv;
-        if constexpr (KQ) mv = _mm512_maskz_loadu_ps(mk, w.mf + n * w.nbp + b);
-        else mv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, w.m + n * w.nbp + b));
-        a = _mm512_fmadd_ps(mv, _mm512_maskz_loadu_ps(mk, xr[r].s + b), a);
+        const bool whole = w.nbp - b >= 16;  // (the masked loads cost more on AVX2)
+        const __mmask16 mk = (__mmask16)(whole ? 0xffff : (1u << (w.nbp - b)) - 1);
+        const float* mf = KQ ? w.mf + n * w.nbp + b : nullptr;
+        const uint16_t* mh = KQ ? nullptr : w.m + n * w.nbp + b;
+        const __m512 mv = KQ ? (whole ? _mm512_loadu_ps(mf) : _mm512_maskz_loadu_ps(mk, mf))
+                             : _mm512_cvtph_ps(whole ? _mm256_loadu_si256((const __m256i*)mh)
+                                                     : _mm256_maskz_loadu_epi16(mk, mh));
+        a = _mm512_fmadd_ps(mv, _mm512_loadu_ps(xr[r].s + b), a);  // s is zero past the row's blocks
       }
       v += _mm512_reduce_add_ps(a);
     }
