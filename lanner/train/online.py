@@ -134,12 +134,13 @@ class OnlineTrainer:
                   "acc0": sum(accs) / len(accs), "holdout": len(held), "served_tau": served["replay_tau"],
                   "student_tau": student["replay_tau"], "served_accept1": served["replay_accept_at"][0],
                   "student_accept1": student["replay_accept_at"][0], "published": publish,
-                  "served_version": self.version}
-        if publish:
-            self.publish(record)
+                  "served_version": self.version + int(publish)}
         self._save()
+        # current.json, written last by publish, is the commit point: whoever sees it sees this round's record
         with open(os.path.join(self.folder, "rounds.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
+        if publish:
+            self.publish(record)
         return record
 
     def publish(self, record: dict):
@@ -154,7 +155,6 @@ class OnlineTrainer:
                            "tau": record["student_tau"]})
         # the served head from now on: bf16 on disk, as the engine loads it
         self.served = DraftHead.load(os.path.join(heads, f"v{self.version}"))
-        record["served_version"] = self.version
         for name in os.listdir(heads):  # the newest few stay (the engine may be loading the one before)
             if name.startswith("v") and int(name[1:]) <= self.version - self.s["keep_heads"]:
                 shutil.rmtree(os.path.join(heads, name), ignore_errors=True)
