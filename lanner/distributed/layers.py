@@ -70,7 +70,13 @@ class VocabParallelEmbedding(nn.Embedding, _Sharded):
     """Rows of the vocabulary split over ranks; each rank looks up its own ids and the sum fills the rest."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
-        nn.Embedding.__init__(self, self._plan([(vocab_size, 1)]), hidden_size)
+        rows = self._plan([(vocab_size, 1)])
+        weight = torch.empty(rows, hidden_size)
+        # nn.Embedding's own init: on the meta device (where models are built for loading) its normal_ imports
+        # torch._dynamo, 2.5 s of every load
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
+        nn.Embedding.__init__(self, rows, hidden_size, _weight=weight)
         self.vocab_start, self.vocab_end = self.ranges[0]
 
     @torch.no_grad()

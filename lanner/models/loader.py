@@ -136,8 +136,7 @@ _GGUF_NAMES_GEMMA3 = _GGUF_NAMES | {
 
 
 def _gguf_field(reader, key, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    return reader.fields.get(key, default)
 
 
 def gguf_config(reader) -> tuple[ModelConfig, torch.Tensor | None]:
@@ -147,7 +146,7 @@ def gguf_config(reader) -> tuple[ModelConfig, torch.Tensor | None]:
     heads = g("attention.head_count")
     hidden = g("embedding_length")
     names = {t.name for t in reader.tensors}
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
     freq_factors = None
     for t in reader.tensors:
@@ -206,7 +205,8 @@ def _gguf_weights(reader, cfg: ModelConfig, skip=frozenset()):
     for t in reader.tensors:
         if t.name == "rope_freqs.weight" or t.name in skip:
             continue
-        w = permute(t, torch.from_numpy(dequantize(t.data, t.tensor_type).copy()))
+        a = dequantize(t.data, t.tensor_type)  # a new array, or (F32) the file's read-only view
+        w = permute(t, torch.from_numpy(a if a.flags.writeable else a.copy()))
         if cfg.architecture == "gemma3" and t.name.endswith("norm.weight"):
             w = w - 1  # llama.cpp's converter stores Gemma's norm weights as 1 + w
         yield _gguf_name(t.name, cfg.architecture), w
@@ -215,24 +215,21 @@ def _gguf_weights(reader, cfg: ModelConfig, skip=frozenset()):
 # ---------------------------------------------------------------- entry points
 
 def open_gguf(path: str):
-    """A GGUFReader over `path` whose every tensor is of a type Lanner can load and lies inside the file; a clear
+    """A GGUFFile over `path` whose every tensor is of a type Lanner can load and lies inside the file; a clear
     error naming the cause otherwise."""
-    import gguf
     from gguf.quants import _type_traits
 
+    from lanner.models.gguf_file import GGUFFile
+
     try:
-        reader = gguf.GGUFReader(path)
-    except Exception as e:  # the reader fails with whatever numpy / struct raise on a bad header
+        reader = GGUFFile(path)
+    except Exception as e:  # a bad header fails with whatever struct / numpy / utf-8 decoding raise
         raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
-    size = os.path.getsize(path)
     dense = {"F32", "F16", "BF16"}
     for t in reader.tensors:
         if t.tensor_type.name not in dense and t.tensor_type not in _type_traits:
             raise UnsupportedModelError(f"{path}: tensor {t.name!r} has GGML type {t.tensor_type.name}, which Lanner "
                                         f"cannot load (it reads F32/F16/BF16 and the gguf package's block types)")
-        if t.data_offset + t.n_bytes > size:
-            raise ValueError(f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {t.data_offset + t.n_bytes}"
-                             f", the file has {size}")
     return reader
 
 
