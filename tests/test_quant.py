@@ -220,6 +220,21 @@ def test_speculative_greedy_equals_plain_q8(llm_q8):
     assert counts.get(("lowlat", "verify"), 0) > 5 and not llm_q8.engine.plugins.disabled
 
 
+def test_gguf_file_reads_what_gguf_reader_reads(default_gguf):
+    """lanner.models.gguf_file against the gguf package's reader on the bundled file: every field's value, every
+    tensor's type, offset, shape and bytes."""
+    mine, ref = open_gguf(default_gguf), gguf.GGUFReader(default_gguf)
+    fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert list(mine.fields) == list(fields) and len(fields["tokenizer.ggml.tokens"]) == 49152
+    for k, v in fields.items():
+        got = mine.fields[k]
+        assert (got.tolist() if isinstance(got, np.ndarray) else got) == v, k
+    assert [(t.name, t.tensor_type, t.data_offset, t.n_bytes, t.shape.tolist()) for t in mine.tensors] == \
+           [(t.name, t.tensor_type, t.data_offset, t.n_bytes, t.shape.tolist()) for t in ref.tensors]
+    for a, b in zip(mine.tensors, ref.tensors):
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data), a.name
+
+
 def test_bad_gguf_files(tmp_path):
     def write(name, arch, tensor_type):
         w = gguf.GGUFWriter(str(tmp_path / name), arch)
