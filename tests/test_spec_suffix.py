@@ -13,7 +13,7 @@ from lanner.cli import build_parser, engine_kwargs
 from lanner.config import EngineConfig
 from lanner.engine.sampling import processed_probs
 from lanner.spec.decoder import DraftState
-from lanner.spec.hybrid import HybridProposer
+from lanner.spec.hybrid import HybridProposer, StepCost
 from lanner.spec.suffix import SuffixProposer, extension, scope_of, step_cost_ms
 from lanner.spec.verify import verify_tree
 from lanner.structured import first_path
@@ -44,9 +44,10 @@ class Req:
 def test_index_drafts_the_most_frequent_continuation_up_to_the_match_length():
     index = extension().SuffixIndex(8)
     index.extend([7, 1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
-    tokens, match, score = index.draft_own(16, 1.0, 0.0)
+    tokens, match, score, probs = index.draft_own(16, 1.0, 0.0)
     # the longest earlier context of the tail is "1 2 3" (then 9 twice, 4 once); at most 3 tokens for a 3-match
     assert (tokens, match) == ([9, 1, 2], 3) and abs(score - 3 * 2 / 3) < 1e-9
+    assert probs == pytest.approx([2 / 3] * 3)  # each token's running probability
     assert index.draft_own(1, 1.0, 0.0)[0] == [9]
     index.extend([6])  # "1 2 3 6" never occurred: no context ending in 6 has a continuation beyond one token
     assert index.draft_own(16, 1.0, 0.0)[0] == []
@@ -185,26 +186,52 @@ def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plai
     if spec == "suffix-tree":
         assert any(parents is not None and len(set(parents)) < len(parents) for parents in verified)
 
-    if spec == "hybrid":  # cost-aware: both times are measured as it runs; a head too slow to pay never drafts, a
-        p = llm.engine.proposer  # free one drafts where the suffix index has little (fresh prompts for each)
-        assert p.verify_s > 0
+    if spec == "hybrid":  # cost-aware: the times are measured as it runs; a head too slow to pay never drafts, a
+        p = llm.engine.proposer  # free one (on free rows) drafts where the suffix index has little (fresh prompts)
+        assert p.cost.decode_s() > 0 and p.cost.ratio(4) >= 1.0
         fresh = {"slow": ["Name three rivers in Africa.", "Write a haiku about snow."],
                  "free": ["List two uses of copper.", "Describe a lighthouse in one sentence."]}
         seeded = SamplingParams(temperature=0.9, max_tokens=16, seed=7, ignore_eos=True)
-        saved, runs, samples = p.head_s, {}, {}
+        saved, runs, samples = (p.head_s, p.cost), {}, {}
         try:
-            for name, head_s in (("slow", 1e6 * p.verify_s), ("free", 0.0)):
+            for name, head_s in (("slow", 1e6 * p.cost.decode_s()), ("free", 0.0)):
                 p.head_s = head_s
+                if name == "free":
+                    p.cost = StepCost()  # not fitted: rows count as free
                 runs[name] = llm.generate(fresh[name], GREEDY)
                 samples[name] = llm.generate(fresh["slow"][0], seeded)[0].token_ids
         finally:
-            p.head_s = saved
+            p.head_s, p.cost = saved
         assert samples["slow"] == samples["free"]  # a seed reproduces its text whatever the machine's timings
         assert not any(p.head.name in o.metrics["spec_draft_tokens"] for o in runs["slow"])
         assert any(p.head.name in o.metrics["spec_draft_tokens"] for o in runs["free"])
         off = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False)
         for name, outs in runs.items():
             assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(fresh[name], off)]
+
+
+def test_hybrid_drafts_the_prefix_that_pays_for_its_rows():
+    """A step's time as a line in its rows (decayed least squares over decode and verify steps); the suffix draft is
+    cut where one more row costs more than its expected acceptance brings, scaled by how the suffix predictions fared."""
+    from lanner.spec.suffix import Draft
+
+    cost = StepCost()
+    for _ in range(4):
+        cost.add(1, 1.0)
+        cost.add(3, 1.5)  # T(n) = 0.75 + 0.25 n
+    assert cost.ratio(1) == pytest.approx(1.0) and cost.ratio(4) == pytest.approx(1.75)
+    p = HybridProposer.__new__(HybridProposer)
+    p.cost, p.predicted, p.accepted = cost, 0.0, 0.0
+    draft = Draft([5, 6, 7], 1.6, probs=[0.9, 0.5, 0.2])
+    # (1 + e_L) / ratio(1 + L): 1.52, 1.60, 1.49 -> two tokens
+    assert p.best_suffix(draft, timed=True)[:2] == (pytest.approx(2.4 / 1.5), 2)
+    p.predicted, p.accepted = 10.0, 2.0  # suffix drafts got a fifth of what they predicted: no draft pays
+    assert p.best_suffix(draft, timed=True)[1] == 0
+    assert p.best_suffix(draft, timed=False)[1] == 3  # a seeded sample: the whole draft, whatever the times
+    for _ in range(200):
+        cost.add(1, 1.0)
+        cost.add(3, 3.0)  # now every row costs a decode step
+    assert cost.ratio(4) == pytest.approx(4.0, rel=1e-3)
 
 
 def test_server_passes_user_and_reports_drafts_per_proposer():

@@ -308,8 +308,8 @@ class LLMEngine:
                 t_forward = time.perf_counter()
                 logits = self.kv.run(items, kind)
                 emitted = self._verify_and_sample(items, logits)
-                if kind == StepKind.VERIFY:  # forward + verify: the tokens are on the host now
-                    self.spec.after_step(time.perf_counter() - t_forward)
+                if kind != StepKind.PREFILL:  # forward + verify: the tokens are on the host now
+                    self.spec.after_step(time.perf_counter() - t_forward, sum(1 + len(it.draft) for it in items))
             except TPError as e:  # the ranks are out of step: fail everything, refuse new work
                 self._fail_engine(e)
                 raise

@@ -40,6 +40,7 @@ class DraftState:
     suffix: object = None  # the suffix proposer's index over the request's tokens
     source: str | None = None  # the proposer that drafted the request's last step
     head_accepted: float | None = None  # hybrid: running mean of the head's accepted tokens per step
+    suffix_predicted: float = 0.0  # hybrid: accepted tokens the suffix draft of the last step was expected to get
 
 
 def draft_room(req) -> int:
@@ -124,10 +125,11 @@ class SpecDecoder:
         if self.learner is not None:
             self.learner.keep(req, rows)
 
-    def after_step(self, seconds: float):
-        """A verify step's forward and verification took `seconds` (cost-aware proposers weigh it)."""
+    def after_step(self, seconds: float, rows: int):
+        """A decode or verify step's forward and verification of `rows` rows took `seconds` (cost-aware proposers
+        weigh it)."""
         if self.proposer is not None:
-            self.proposer.after_step(seconds)
+            self.proposer.after_step(seconds, rows)
 
     def verified(self, req, it, tokens: list[int], n_out: int, before: int):
         """After a verify step: `tokens` were emitted by verification (n_out of them kept: a stop may cut the

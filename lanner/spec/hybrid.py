@@ -1,15 +1,20 @@
-"""Hybrid speculation: per request and per step, the suffix draft, the draft head's, or none, whichever is
-expected to emit the most tokens per unit of time.
+"""Hybrid speculation: per request and per step, the suffix draft (or a prefix of it), the draft head's, or none,
+whichever is expected to emit the most tokens per unit of time.
 
-The suffix draft comes with its score, the tokens it expects to get accepted (lanner.spec.suffix); it costs
-microseconds. The head's expectation is the running mean of its accepted tokens per verify step on this request
-(a prior until it has drafted), and it costs a head forward per token: with a verify step taking T and a head
-draft H, the head yields (1 + head accepted) tokens per T + H, a suffix draft (1 + score) per T. Both times are
-measured as the engine runs (moving averages of the verify forwards and of the head's steady drafting calls), so the
-choice follows the hardware: on lowlat's CPU path a head draft costs about as much as the verify step itself and
-pays only when its acceptance is high; on a slow forward it is cheap in comparison. Until the head has drafted
-once its cost counts as zero (it gets its chance). A seeded sample decides without the times: its drafts, and with
-them the verifier's random draws, must be a function of its prompt and seed alone, not of the machine's load.
+The suffix draft comes with each token's running probability under the index's frequencies (lanner.spec.suffix);
+their sum, scaled by how the suffix drafts' predictions have fared on this engine (accepted / predicted), is the
+tokens it expects to get accepted. It costs microseconds. The head's expectation is the running mean of its accepted
+tokens per verify step on this request (a prior until it has drafted), and it costs a head forward.
+
+Time is what a step costs in the rows it verifies: T(n) = a + b n, fitted over the recent decode and verify
+forwards (StepCost). On a GPU a few more rows are nearly free; on lowlat's CPU path every row pays its share of the
+matmuls and of the attention (the AVX2 q8 GEMV: 4 rows cost 2.8x one), so a draft pays only when its expected
+acceptance beats that. With e_L the expected accepted tokens of the first L suffix tokens and H the head's drafting
+time, a step emits 1 / T(1) tokens per second plain, (1 + e_L) / T(1 + L) with the suffix prefix, and
+(1 + head accepted) / (T(1 + k) + H) with the head; the largest wins. Until steps of several sizes have been
+timed the rows count as free and the head costs nothing (each option gets its chance). A seeded sample decides
+without the times: its drafts, and with them the verifier's random draws, must be a function of its prompt and seed
+alone, not of the machine's load.
 """
 from __future__ import annotations
 
@@ -21,7 +26,50 @@ from lanner.spec.suffix import SuffixProposer
 
 HEAD_PRIOR = 0.5  # accepted tokens per head step before a request has any (the shipped head: ~0.4-0.5 at k = 3)
 HEAD_DECAY = 0.7  # weight of the old mean per head step: recent text decides
-TIME_DECAY = 0.9  # weight of the old mean of the step and head times
+TIME_DECAY = 0.9  # weight of the old mean of the head's drafting time
+COST_DECAY = 0.97  # weight of the older steps in the step-time fit (per step)
+CALIB_DECAY = 0.98  # weight of the older suffix verifications in accepted / predicted
+MIN_STEPS = 8  # steps before the fit decides
+
+
+class StepCost:
+    """A decode / verify forward's seconds as a line in its rows, T(n) = a + b n: least squares over the recent steps
+    (weights decaying per step)."""
+
+    def __init__(self):
+        self.s = [0.0] * 5  # decayed sums of 1, n, n^2, t, n t
+        self.steps = 0
+
+    def add(self, rows: int, seconds: float):
+        self.s = [COST_DECAY * x for x in self.s]
+        for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
+            self.s[i] += v
+        self.steps += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b), or None until enough steps of different row counts were seen (a plain decode step need not be
+        among them: with every step drafting, the line through the verify steps gives T(1))."""
+        if self.steps < MIN_STEPS:
+            return None
+        w, n, n2, t, nt = self.s
+        var = w * n2 - n * n
+        if var <= 1e-9 * w * w:
+            return None
+        b = (w * nt - n * t) / var
+        a = (t - b * n) / w
+        return (a, b) if a + b > 0 else None
+
+    def ratio(self, rows: int) -> float:
+        """T(rows) / T(1); 1 (free rows) before the fit. A verify never counts as cheaper than a decode."""
+        line = self.line()
+        if line is None:
+            return 1.0
+        a, b = line
+        return max(1.0, (a + b * rows) / (a + b))
+
+    def decode_s(self) -> float | None:
+        line = self.line()
+        return None if line is None else line[0] + line[1]
 
 
 class HybridProposer(Proposer):
@@ -29,29 +77,51 @@ class HybridProposer(Proposer):
 
     def __init__(self, suffix: SuffixProposer, head: Proposer, head_tokens: int):
         self.suffix, self.head, self.head_tokens = suffix, head, head_tokens
-        self.verify_s: float | None = None  # moving mean of a verify forward's seconds
+        self.cost = StepCost()
         self.head_s: float | None = None  # moving mean of a head drafting call's seconds
+        self.predicted = self.accepted = 0.0  # decayed sums over suffix verifications: expected vs accepted tokens
 
     def head_cost(self) -> float:
-        """A head draft's time relative to a verify step (0 until both were measured)."""
-        if self.verify_s is None or self.head_s is None:
-            return 0.0
-        return self.head_s / self.verify_s
+        """A head draft's time relative to a decode step (0 until both were measured)."""
+        t1 = self.cost.decode_s()
+        return 0.0 if t1 is None or self.head_s is None else self.head_s / t1
+
+    def calibration(self) -> float:
+        """Accepted / predicted tokens of the suffix drafts verified lately (1 before any)."""
+        return min(2.0, max(0.1, self.accepted / self.predicted)) if self.predicted > 1.0 else 1.0
+
+    def best_suffix(self, d, timed: bool) -> tuple[float, int, float]:
+        """(tokens per decode-step time, draft length, predicted accepted tokens) of the best prefix of draft d."""
+        if not d.tokens:
+            return 1.0, 0, 0.0
+        if d.probs is None or not timed:  # a tree is verified whole; untimed (a seeded sample) rows count as free
+            expect = self.calibration() * d.score if timed else d.score
+            return (1 + expect) / (self.cost.ratio(1 + len(d.tokens)) if timed else 1.0), len(d.tokens), d.score
+        best, cum, kappa = (1.0, 0, 0.0), 0.0, self.calibration()
+        for n, p in enumerate(d.probs, 1):
+            cum += p
+            rate = (1 + kappa * cum) / self.cost.ratio(1 + n)
+            if rate > best[0]:
+                best = (rate, n, cum)
+        return best
 
     def propose(self, requests, ks, states):
         out: list = [None] * len(requests)
         to_head = []
-        cost = self.head_cost()
+        head_cost = self.head_cost()
         for i, (r, k, st) in enumerate(zip(requests, ks, states)):
             d = self.suffix.draft(r, st, k)
+            timed = r.params.seed is None or r.params.greedy
+            rate, n, predicted = self.best_suffix(d, timed)
             expect = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
-            seeded = r.params.seed is not None and not r.params.greedy
-            if (1 + expect) / (1 + (0.0 if seeded else cost)) > 1 + (d.score if d.tokens else 0.0):
+            kh = min(k, self.head_tokens, draft_room(r))
+            head_rate = (1 + expect) / (self.cost.ratio(1 + kh) + head_cost) if timed else 1 + expect
+            if kh > 0 and head_rate > rate:
                 st.source = self.head.name
                 to_head.append(i)
-            else:  # the suffix draft (possibly empty: a plain decode step is the better bet)
-                st.source = self.suffix.name
-                out[i] = (d.tokens, None, d.parents)
+            else:  # the suffix draft's best prefix (possibly empty: a plain decode step is the better bet)
+                st.source, st.suffix_predicted = self.suffix.name, predicted
+                out[i] = (d.tokens[:n], None, d.parents if n == len(d.tokens) else None)
         if to_head:
             # only steady-state calls are timed: a head catching up on a long stretch (a prompt, a run of suffix
             # drafts) pays that once, and one such sample must not lock the head out for good
@@ -66,10 +136,14 @@ class HybridProposer(Proposer):
                 out[i] = d
         return out
 
-    def after_step(self, seconds: float):
-        self.verify_s = _mean(self.verify_s, seconds)
+    def after_step(self, seconds: float, rows: int):
+        self.cost.add(rows, seconds)
 
     def after_verify(self, req, st, num_proposed, num_accepted, tokens_before):
+        if st.source == self.suffix.name:
+            self.predicted = CALIB_DECAY * self.predicted + st.suffix_predicted
+            self.accepted = CALIB_DECAY * self.accepted + num_accepted
+            return
         if st.source != self.head.name:
             return
         self.head.after_verify(req, st, num_proposed, num_accepted, tokens_before)

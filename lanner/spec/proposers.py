@@ -28,8 +28,9 @@ class Proposer:
     def after_verify(self, req, st, num_proposed: int, num_accepted: int, tokens_before: int):
         """Called once the target verified; lets stateful proposers roll their KV back."""
 
-    def after_step(self, seconds: float):
-        """Called after each forward that verified drafts, with its wall time (cost-aware proposers)."""
+    def after_step(self, seconds: float, rows: int):
+        """Called after each decode or verify forward (and its verification), with its wall time and the rows it
+        computed (cost-aware proposers)."""
 
     def finish(self, req, st, completed: bool):
         """Called when a request ends (completed: finished or aborted, not failed) with its last DraftState."""

@@ -53,6 +53,7 @@ class Draft:
     tokens: list[int]
     score: float  # expected accepted tokens under the index's frequencies
     parents: list[int] | None = None  # a tree: each node's parent index (-1: the request's last token)
+    probs: list[float] | None = None  # a chain: each token's running probability (score = their sum)
 
 
 class SuffixProposer(Proposer):
@@ -98,8 +99,8 @@ class SuffixProposer(Proposer):
         if self.max_depth:
             tokens, parents, _, score = tree(k, depth, self.factor, self.min_prob)
             return Draft(tokens, score, parents)
-        tokens, _, score = chain(k, self.factor, self.min_prob)
-        return Draft(tokens, score)
+        tokens, _, score, probs = chain(k, self.factor, self.min_prob)
+        return Draft(tokens, score, probs=probs)
 
     def propose(self, requests, ks, states):
         out = []

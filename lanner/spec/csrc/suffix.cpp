@@ -57,8 +57,8 @@ class SuffixIndex {
   int64_t length() const { return static_cast<int64_t>(text_.size()); }
 
   // draft() for the tail of the kept text (a request's own index)
-  std::tuple<std::vector<int64_t>, int64_t, double> draft_own(int64_t max_tokens, double factor,
-                                                               double min_prob) const {
+  std::tuple<std::vector<int64_t>, int64_t, double, std::vector<double>> draft_own(int64_t max_tokens, double factor,
+                                                                                    double min_prob) const {
     const int64_t n = static_cast<int64_t>(text_.size());
     const int64_t from = std::max<int64_t>(0, n - depth_);
     return draft(std::vector<int64_t>(text_.begin() + from, text_.end()), 0, max_tokens, factor, min_prob);
@@ -89,13 +89,14 @@ class SuffixIndex {
   // Draft for the tail of `ctx`: the longest context (<= depth tokens) of the tail that occurs, then the most
   // frequent continuation, token by token, while the running probability (product of count / total) stays >=
   // min_prob and fewer than min(max_tokens, factor * match length) tokens are drafted. Returns (tokens, match
-  // length, score = expected accepted tokens under the frequencies = sum of running probabilities).
-  std::tuple<std::vector<int64_t>, int64_t, double> draft(const std::vector<int64_t>& ctx, uint64_t scope,
-                                                           int64_t max_tokens, double factor,
-                                                           double min_prob) const {
+  // length, score = expected accepted tokens under the frequencies = sum of running probabilities, the running
+  // probability of each token).
+  std::tuple<std::vector<int64_t>, int64_t, double, std::vector<double>> draft(
+      const std::vector<int64_t>& ctx, uint64_t scope, int64_t max_tokens, double factor, double min_prob) const {
     std::vector<int64_t> out;
+    std::vector<double> probs;
     auto [node, match] = longest_match(ctx, scope);
-    if (node == nullptr) return {out, 0, 0.0};
+    if (node == nullptr) return {out, 0, 0.0, probs};
     const int64_t limit = std::min<int64_t>(max_tokens, static_cast<int64_t>(factor * match + 1e-9));
     std::vector<int64_t> path(ctx.end() - match, ctx.end());
     double prob = 1.0, score = 0.0;
@@ -107,6 +108,7 @@ class SuffixIndex {
       prob *= static_cast<double>(best_count) / node->total;
       if (prob < min_prob) break;
       out.push_back(best);
+      probs.push_back(prob);
       score += prob;
       path.push_back(best);
       // the node of the path's last (up to depth) tokens: it exists, the path occurs in the text
@@ -117,7 +119,7 @@ class SuffixIndex {
       auto it = nodes_.find(g);
       if (it != nodes_.end() && it->second.total > 0) node = &it->second;
     }
-    return {out, match, score};
+    return {out, match, score, probs};
   }
 
   // A tree of continuations of the tail of `ctx` (SuffixDecoding's best-first expansion): from the longest
