@@ -310,8 +310,7 @@ def real_path():
 @needs_real
 def test_real_gemma3_270m_gguf_generates_sensible_text(real_path):
     """The public Q4_K_M file (Q4_K, Q6_K, Q5_0, Q8_0 tensors; the 262,144-token vocabulary from the GGUF), bf16.
-    3-7 minutes on the shared 2-core box, mostly reading the file's metadata (gguf.GGUFReader) and building the
-    tokenizer."""
+    The first run converts and caches the tokenizer (transformers' GGUF path), which is most of its time."""
     llm = LLM(model=real_path, max_model_len=1024, kv_cache_memory="0.05GiB")
     tok = llm.engine.tokenizer
     assert tok.vocab_size == 262_144 and tok.eos_token_ids == [1, 106]  # <eos>, <end_of_turn>

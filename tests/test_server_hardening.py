@@ -358,7 +358,7 @@ def test_schemathesis_finds_no_5xx_and_no_conformance_failures(srv, monkeypatch,
     monkeypatch.setattr(srv.engine.engine, "max_model_len", 40)
     cmd = [sys.executable, "-c", "from schemathesis.cli import schemathesis; schemathesis()", "run",
            srv.base + "/openapi.json", "--phases", "examples,coverage,fuzzing", "--checks", FUZZ_CHECKS,
-           "--max-examples", "10", "--max-time", "60", "--seed", "21", "--workers", "1", "--no-color",
+           "--max-examples", "10", "--max-time", "45", "--seed", "21", "--workers", "1", "--no-color",
            "--generation-database", "none", "--request-timeout", "60"]
     # cwd: Schemathesis keeps a crash cache under ./.schemathesis
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
