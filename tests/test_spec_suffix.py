@@ -220,8 +220,8 @@ def test_hybrid_drafts_the_prefix_that_pays_for_its_rows():
         cost.add(1, 1.0)
         cost.add(3, 1.5)  # T(n) = 0.75 + 0.25 n
     assert cost.ratio(1) == pytest.approx(1.0) and cost.ratio(4) == pytest.approx(1.75)
-    p = HybridProposer.__new__(HybridProposer)
-    p.cost, p.predicted, p.accepted = cost, 0.0, 0.0
+    p = HybridProposer(suffix=None, head=None, head_tokens=3)  # best_suffix needs neither
+    p.cost = cost
     draft = Draft([5, 6, 7], 1.6, probs=[0.9, 0.5, 0.2])
     # (1 + e_L) / ratio(1 + L): 1.52, 1.60, 1.49 -> two tokens
     assert p.best_suffix(draft, timed=True)[:2] == (pytest.approx(2.4 / 1.5), 2)

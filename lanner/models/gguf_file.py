@@ -35,7 +35,6 @@ class GGUFFile:
     fit in it."""
 
     def __init__(self, path: str):
-        self.path = path
         self.data = np.memmap(path, mode="r")
         self._buf = memoryview(self.data)
         self._off = 0

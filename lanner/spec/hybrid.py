@@ -39,14 +39,16 @@ class StepCost:
     def __init__(self):
         self.s = [0.0] * 5  # decayed sums of 1, n, n^2, t, n t
         self.steps = 0
+        self.line: tuple[float, float] | None = None  # (a, b), refitted at each step
 
     def add(self, rows: int, seconds: float):
         self.s = [COST_DECAY * x for x in self.s]
         for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
             self.s[i] += v
         self.steps += 1
+        self.line = self._fit()
 
-    def line(self) -> tuple[float, float] | None:
+    def _fit(self) -> tuple[float, float] | None:
         """(a, b), or None until enough steps of different row counts were seen (a plain decode step need not be
         among them: with every step drafting, the line through the verify steps gives T(1))."""
         if self.steps < MIN_STEPS:
@@ -61,15 +63,13 @@ class StepCost:
 
     def ratio(self, rows: int) -> float:
         """T(rows) / T(1); 1 (free rows) before the fit. A verify never counts as cheaper than a decode."""
-        line = self.line()
-        if line is None:
+        if self.line is None:
             return 1.0
-        a, b = line
+        a, b = self.line
         return max(1.0, (a + b * rows) / (a + b))
 
     def decode_s(self) -> float | None:
-        line = self.line()
-        return None if line is None else line[0] + line[1]
+        return None if self.line is None else self.line[0] + self.line[1]
 
 
 class HybridProposer(Proposer):
