@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lanner.models.config import WEIGHT_MODES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_TIERS = ("ula-dp", "ula-tp", "hisparse", "gpu-only")
 SPEC_KINDS = ("ngram", "draft", "suffix", "hybrid")
@@ -34,11 +36,15 @@ class EngineConfig:
     # ---- model
     model: str | None = option(None, "model", "Hugging Face model folder or .gguf file (default: the bundled "
                                "SmolLM2-135M-Instruct)")
-    dtype: str = option("bfloat16", "model", "weights and KV dtype", choices=sorted(DTYPES))
-    weights: str = option("dequantize", "model", "GGUF files: dequantize every tensor to --dtype at load, or keep "
-                          "Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks as stored (lowlat runs them with its quantized "
-                          "kernels, the engine's own forward dequantizes tiles on the fly; docs/quantized.md)",
-                          choices=["dequantize", "stored"])
+    # resolved at construction (resolve_weights_and_dtype); the fields then hold what the engine runs
+    dtype: str = option("auto", "model", "weights (dequantized ones), activations and KV dtype; 'auto': float32 when "
+                        "GGUF blocks stay as stored on a CPU without bf16 arithmetic (AVX512_BF16 / AMX), else "
+                        "bfloat16", choices=["auto", *sorted(DTYPES)])
+    weights: str = option("auto", "model", "GGUF files: keep Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks as stored (lowlat "
+                          "runs them with its quantized kernels, the engine's own forward dequantizes tiles on the "
+                          "fly; docs/quantized.md) or dequantize every tensor to --dtype at load; 'auto': stored "
+                          "where lowlat can run them (CPU, one rank, a plugin allowed), else dequantize",
+                          choices=["auto", *WEIGHT_MODES])
     device: str | None = option(None, "model", "cpu or cuda[:N] (default: cuda when available, else cpu)")
     seed: int = option(0, "model", "torch's global seed, set at engine start (sampling without a request seed draws "
                        "from it)", cli=False)
@@ -118,16 +124,17 @@ class EngineConfig:
                              "of its data shows", cli=False)
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.weights not in ("dequantize", "stored"):
-            raise ValueError(f"weights: must be 'dequantize' or 'stored', got {self.weights!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            raise ValueError(f"dtype: must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.weights not in ("auto", *WEIGHT_MODES):
+            raise ValueError(f"weights: must be 'auto' or one of {list(WEIGHT_MODES)}, got {self.weights!r}")
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("device: cuda was requested but torch sees no CUDA device")
+        self._resolve_weights_and_dtype()
         if self.dtype == "float16" and self.device == "cpu":
             raise ValueError("dtype: float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -236,6 +243,27 @@ class EngineConfig:
         if self.spec == "hybrid":
             return max(self.spec_max_tokens, self.spec_tokens)
         return self.spec_tokens
+
+    def _resolve_weights_and_dtype(self):
+        """'auto' weights: GGUF blocks stay as stored where lowlat's quantized kernels can run them (on this AVX2
+        CPU the bundled model's agent replay decodes 1.95x faster than dequantized to bf16, docs/quantized.md);
+        elsewhere (CUDA, tensor parallelism, UlaCache tiers, no plugins) the engine's own forward would do all the
+        work, dequantizing tiles per matmul, so they are dequantized once at load. 'auto' dtype: with stored
+        blocks the dtype is only activations, KV and the few unquantized tensors, so float32 costs KV memory alone,
+        and on a CPU without bf16 arithmetic PyTorch's bf16 prefill GEMMs run ~4x slower (TTFT P50 4.1 s vs
+        0.86 s on the replay); else bfloat16, half the memory of dequantized weights."""
+        if self.weights == "auto":
+            gguf = self.model is None or str(self.model).lower().endswith(".gguf")
+            plugins = str(self.plugin or "none").split(",")
+            lowlat_allowed = plugins == ["auto"] or "lowlat" in plugins
+            runs_lowlat = self.device == "cpu" and self.tp == 1 and self.kv_tier is None and lowlat_allowed
+            self.weights = "stored" if gguf and runs_lowlat else "dequantize"
+            self.weights_auto = True  # load_target dequantizes after all when no plugin it picks runs the blocks
+        if self.dtype == "auto":
+            from lanner.cpu import native_bf16
+
+            cpu_f32 = self.weights == "stored" and self.device == "cpu" and not native_bf16()
+            self.dtype = "float32" if cpu_f32 else "bfloat16"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -16,7 +16,7 @@ class LLM:
     """engine_options: EngineConfig fields, e.g. tp=2 (tensor parallelism: worker processes are started here and
     stopped by close(), at the end of a `with` block, or at interpreter exit)."""
 
-    def __init__(self, model: str | None = None, dtype: str = "bfloat16", device: str | None = None,
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str | None = None,
                  **engine_options):
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **engine_options))
         self.tokenizer = self.engine.tokenizer

@@ -13,7 +13,7 @@ from lanner import LLM
 @pytest.fixture(scope="session")
 def llm32():
     """The real default model in float32: greedy results must not depend on batching, which only float32 gives."""
-    return LLM(dtype="float32", max_num_seqs=16)
+    return LLM(dtype="float32", weights="dequantize", max_num_seqs=16)
 
 
 @pytest.fixture(scope="session")
@@ -89,10 +89,10 @@ def openai_server(**engine_options):
 
 
 def _lowlat_marks():
-    from lanner.plugins.base import _cpu_flags
+    from lanner.cpu import cpu_flags
     from lanner.plugins.lowlat import cpu_variant
 
-    variant = cpu_variant(_cpu_flags())
+    variant = cpu_variant(cpu_flags())
     return (pytest.mark.skipif(variant is None, reason="lowlat needs AVX-512F or AVX2 + FMA + F16C"),
             pytest.mark.skipif(variant != "avx512", reason="compares lowlat's AVX-512 build: needs an AVX-512F CPU"))
 

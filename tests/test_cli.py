@@ -87,7 +87,7 @@ def test_bench_latency(tmp_path):
 def test_bench_throughput(tmp_path):
     out = tmp_path / "tp.json"
     r = lanner("bench", "throughput", "--concurrency", "1,2", "--max-tokens", "8", "--num-requests", "2",
-               "--dtype", "float32", "--json", str(out), cwd=tmp_path)
+               "--dtype", "float32", "--weights", "dequantize", "--json", str(out), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     assert data["benchmark"] == "throughput"

@@ -14,7 +14,7 @@ from lanner.layers.attention import build_attention_metadata, paged_attention
 from lanner.models.config import ModelConfig
 from lanner.models.llama import LlamaModel
 from lanner.plugins import Hardware, PluginMismatch, Step, StepKind
-from lanner.plugins.base import _cpu_flags
+from lanner.cpu import cpu_flags
 from lanner.plugins.lowlat import LowLatPlugin
 from conftest import needs_avx512, needs_lowlat
 
@@ -40,8 +40,8 @@ def own_forward(llm):
 @pytest.fixture(scope="module")
 def llm32_lowlat():
     # spec_max_batch=1: the 3-prompt batch decodes plainly (DECODE steps at batch 3), a lone prompt speculates
-    return LLM(dtype="float32", plugin="lowlat", plugin_verify=1000, spec="ngram", spec_max_batch=1,
-               kv_cache_memory="0.25GiB")
+    return LLM(dtype="float32", weights="dequantize", plugin="lowlat", plugin_verify=1000, spec="ngram",
+               spec_max_batch=1, kv_cache_memory="0.25GiB")
 
 
 def test_float32_greedy_matches_own_forward(llm32_lowlat):
@@ -66,7 +66,7 @@ def test_draft_tree_verify_matches_own_forward():
     """spec_tree: lowlat runs the tree VERIFY steps (a row reads its tree ancestors, at its depth's position), each
     checked against the engine's own forward under the tree mask (plugin_verify: 1e-4); greedy output equals
     plain decoding, and trees that branch were verified."""
-    llm = LLM(dtype="float32", plugin="lowlat", plugin_verify=1000, spec="suffix", spec_tree=12,
+    llm = LLM(dtype="float32", weights="dequantize", plugin="lowlat", plugin_verify=1000, spec="suffix", spec_tree=12,
               kv_cache_memory="0.25GiB")
     prompts = ["def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
                "# Now a loop version:\n"]
@@ -88,19 +88,20 @@ def test_bf16_within_verify_tolerance():
     Deterministic (fixed prompts; lowlat's results do not depend on the thread count). Over many steps the error
     has median ~1% and p90 ~2%, and ~2% of steps exceed 3e-2: the model's own bf16 forward moves as much when a
     few of its roundings change (results/lowlat_ablation.md)."""
-    llm = LLM(dtype="bfloat16", plugin="lowlat", plugin_verify=8, kv_cache_memory="0.25GiB", spec=None)
+    llm = LLM(dtype="bfloat16", weights="dequantize", plugin="lowlat", plugin_verify=8, kv_cache_memory="0.25GiB",
+              spec=None)
     outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.token_ids) == 8 for o in outs)
     counts = llm.engine.plugins.counts
     assert counts[("lowlat", "decode")] == 7 and not llm.engine.plugins.disabled
-    assert llm.engine.plugins.plugins[0].uses_dot == ("avx512_bf16" in _cpu_flags())
+    assert llm.engine.plugins.plugins[0].uses_dot == ("avx512_bf16" in cpu_flags())
 
 
 def test_bf16_speculation_is_lossless():
     """lowlat's kernels are batch-invariant, so in bf16 too a prompt decodes the same tokens alone and in a batch,
     and n-gram speculation (verify rows) emits exactly the plain tokens. (Not under plugin_verify: the steps it
     checks write the engine's own forward's KV, which differs from lowlat's in bf16 rounding.)"""
-    llm = LLM(dtype="bfloat16", plugin="lowlat", kv_cache_memory="0.25GiB", spec="ngram")
+    llm = LLM(dtype="bfloat16", weights="dequantize", plugin="lowlat", kv_cache_memory="0.25GiB", spec="ngram")
     plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=False)
     want = [llm.generate(p, plain)[0].token_ids for p in PROMPTS]
     assert [o.token_ids for o in llm.generate(PROMPTS, plain)] == want
@@ -114,7 +115,7 @@ def test_eagle_draft_head_steps():
     """spec="draft" with the shipped EAGLE-style head: lowlat runs the target's VERIFY steps, the head's
     DRAFT_EXTEND steps (its linears on lowlat's GEMV, checked against the own forward) and the greedy chain of
     DRAFT steps in one C++ call; greedy output equals plain decoding."""
-    llm = LLM(dtype="float32", spec="draft", draft="hass", plugin="lowlat", plugin_verify=1000,
+    llm = LLM(dtype="float32", weights="dequantize", spec="draft", draft="hass", plugin="lowlat", plugin_verify=1000,
               kv_cache_memory="0.25GiB")
     eng = llm.engine
     got = [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]

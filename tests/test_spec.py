@@ -84,14 +84,14 @@ def check_greedy_lossless(llm, plain_outputs):
 
 
 def test_ngram_greedy_is_lossless(plain_outputs):
-    llm = LLM(dtype="float32", spec="ngram")
+    llm = LLM(dtype="float32", weights="dequantize", spec="ngram")
     alone = check_greedy_lossless(llm, plain_outputs)
     taus = [o.metrics["spec_accept_length"] for o in alone]
     assert max(taus) > 2.0 and min(taus) < max(taus)  # the repetitive prompt accepts far more: mixed lengths
 
 
 def test_random_draft_head_greedy_is_lossless(plain_outputs, head_dir):
-    llm = LLM(dtype="float32", spec="draft", draft=head_dir)
+    llm = LLM(dtype="float32", weights="dequantize", spec="draft", draft=head_dir)
     check_greedy_lossless(llm, plain_outputs)
 
 
@@ -112,7 +112,7 @@ def test_head_rope_follows_the_targets_scaling(tmp_path):
 def test_head_tree_greedy_is_lossless(plain_outputs):
     """EAGLE-2 trees from the shipped head (spec_tree): greedy output equals plain decoding for each prompt alone
     and in a batch of 4 with prefix-cache hits (the same prompts again), and the trees really branch."""
-    llm = LLM(dtype="float32", spec="draft", draft="default", spec_tree=8)
+    llm = LLM(dtype="float32", weights="dequantize", spec="draft", draft="default", spec_tree=8)
     trees = []
     verify = llm.engine.spec.verify
     llm.engine.spec.verify = lambda it, logits: trees.append(it.draft_parents) or verify(it, logits)
@@ -126,7 +126,8 @@ def test_head_tree_greedy_is_lossless(plain_outputs):
 
 
 def test_self_draft_model_accepts_everything_and_is_lossless(plain_outputs):
-    llm = LLM(dtype="float32", spec="draft", draft=default_model_path(), spec_tokens=4, spec_max_batch=8)
+    llm = LLM(dtype="float32", weights="dequantize", spec="draft", draft=default_model_path(), spec_tokens=4,
+              spec_max_batch=8)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain_outputs
     # a draft identical to the target is accepted nearly always: every chain position is exercised
@@ -135,7 +136,7 @@ def test_self_draft_model_accepts_everything_and_is_lossless(plain_outputs):
 
 
 def test_opt_out_and_batch_limit_turn_drafting_off():
-    llm = LLM(dtype="float32", spec="ngram", spec_max_batch=2)
+    llm = LLM(dtype="float32", weights="dequantize", spec="ngram", spec_max_batch=2)
     off = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, speculative=False))[0]
     assert off.metrics["spec_verify_steps"] == 0
     big = llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
@@ -275,7 +276,7 @@ def test_server_reports_acceptance_in_usage_and_metrics():
 
 
 def test_shipped_hass_head_is_lossless_and_accepted(plain_outputs):
-    llm = LLM(dtype="float32", spec="draft", draft="hass", spec_tokens=4)
+    llm = LLM(dtype="float32", weights="dequantize", spec="draft", draft="hass", spec_tokens=4)
     outs = [llm.generate(p, GREEDY)[0] for p in PROMPTS[:4]]
     assert [o.token_ids for o in outs] == plain_outputs[:4]
     emitted = sum(o.metrics["spec_accept_length"] * o.metrics["spec_verify_steps"] for o in outs)

@@ -161,7 +161,7 @@ def plain(llm32):
 
 @pytest.mark.parametrize("spec", ["suffix-tree", "hybrid"])  # hybrid's suffix drafts are chains
 def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plain):
-    llm = llm32 if spec == "hybrid" else LLM(dtype="float32", spec="suffix", max_num_seqs=16,
+    llm = llm32 if spec == "hybrid" else LLM(dtype="float32", weights="dequantize", spec="suffix", max_num_seqs=16,
                                              spec_tree=12 if spec == "suffix-tree" else 0)
     assert isinstance(llm.engine.proposer, HybridProposer if spec == "hybrid" else SuffixProposer)
     verified = []  # the trees verification saw: some must branch (the code prompt's "fib(n - 1)" / "fib(n - 2)")

@@ -23,6 +23,9 @@ def load_target(config: EngineConfig, hardware: Hardware, metrics=None):
     # UlaCache's decoders run the model's own forward: no plugin covers them ("auto" then picks none)
     choice = config.plugin if config.kv_tier is None else None
     plugins = select_plugins(choice, loaded_config[0], hardware, config.plugin_options)
+    if getattr(config, "weights_auto", False) and config.weights == "stored" and \
+            not any(p.name == "lowlat" for p in plugins):
+        config.weights = "dequantize"  # e.g. an architecture lowlat does not cover: the own forward runs it all
     model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config, config.weights)
     plugin_bytes = build_plugins(plugins, model, model_config, hardware, metrics)
     runtime = PluginRuntime(plugins, metrics, config.plugin_verify) if plugins else None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+WEIGHT_MODES = ("dequantize", "stored")  # GGUF tensors: dequantized at load, or kept in their blocks
+
 SUPPORTED_ARCHITECTURES = {
     # HF `architectures[0]` / GGUF `general.architecture` -> model family
     "LlamaForCausalLM": "llama",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lanner.models.config import ModelConfig, UnsupportedModelError, check_architecture
+from lanner.models.config import WEIGHT_MODES, ModelConfig, UnsupportedModelError, check_architecture
 
 log = logging.getLogger("lanner")
 
@@ -255,9 +255,6 @@ MODEL_CLASSES = {
 def model_class(cfg: ModelConfig):
     module, _, name = MODEL_CLASSES[cfg.family].partition(":")
     return getattr(importlib.import_module(module), name)
-
-
-WEIGHT_MODES = ("dequantize", "stored")
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: str, loaded_config=None, weights: str = "dequantize"):

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lanner.cpu import cpu_flags, cpu_name
+
 
 class StepKind(str, enum.Enum):
     PREFILL = "prefill"  # at least one sequence is prefilling prompt tokens
@@ -63,7 +65,7 @@ class Hardware:
             dev = torch.device(device)
             return cls(device, dtype, torch.cuda.get_device_name(dev), torch.cuda.get_device_capability(dev),
                        tp_size=tp_size, tp_rank=tp_rank)
-        return cls(device, dtype, _cpu_name(), None, _cpu_flags(), tp_size, tp_rank)
+        return cls(device, dtype, cpu_name(), None, cpu_flags(), tp_size, tp_rank)
 
 
 class PluginMismatch(RuntimeError):
@@ -125,26 +127,3 @@ class Plugin:
     # Optional: the logits head (a large share of the bytes a small model reads per step). Called with the rows
     # that sample, for steps whose forward this plugin ran; return model.compute_logits(hidden)'s result.
     compute_logits = None
-
-
-def _cpu_flags() -> frozenset:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "cpu"

@@ -21,9 +21,9 @@ compile_seconds: float | None = None  # wall time of the last load() that built 
 
 def _cpu_key() -> str:
     """-march=native code is only valid on the CPU it was built for: the cache name carries the CPU's identity."""
-    from lanner.plugins.base import _cpu_flags, _cpu_name
+    from lanner.cpu import cpu_flags, cpu_name
 
-    return hashlib.sha1((_cpu_name() + " ".join(sorted(_cpu_flags()))).encode()).hexdigest()[:8]
+    return hashlib.sha1((cpu_name() + " ".join(sorted(cpu_flags()))).encode()).hexdigest()[:8]
 
 
 def load(variant: str = "avx512"):

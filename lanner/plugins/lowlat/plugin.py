@@ -54,9 +54,11 @@ class LowLatPlugin(Plugin):
         the process group), "shm" (the segment or a build error) or "group" (torch.distributed, gloo);
     timeout_s (tensor parallelism): the longest wait for another rank inside a step (default: half the engine's
         tp_timeout_s, at most 5 s); on timeout every rank aborts the step and the engine reruns it without lowlat.
-    act (GGUF weights kept as stored, EngineConfig.weights="stored"): "q8" (activations quantized to 8 bits per
-        block of 32, as llama.cpp does; integer dot products) or "float" (float32 activations against the exact
-        dequantized weights);
+    act (GGUF weights kept as stored, EngineConfig.weights="stored"): "q16" (default: activations quantized per
+        block of 32 to 16-bit integers, 3e-5 of the block's largest value; integer dot products, text as with
+        float activations), "q8" (8 bits per block, as llama.cpp does them; the fastest, but on the bundled
+        135M model greedy answers change visibly) or "float" (float32 activations against the exact dequantized
+        weights);
     invariant: batch-invariant GEMVs and attention (a row's bits do not depend on the other rows of its step, so
         speculative greedy output equals plain greedy output in every dtype); default on. Off: the GEMVs pick
         their accumulator chains per block size and attention mirrors PyTorch's exp variants.
@@ -68,6 +70,7 @@ class LowLatPlugin(Plugin):
     GEMMA_ARCHITECTURES = tuple(sorted(a for a, f in SUPPORTED_ARCHITECTURES.items() if f == "gemma"))
     ROPE_ROWS = 4096  # Gemma's rotary tables start this long and double as positions grow (its model keeps none)
     MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
+    ACT_MODES = ("float", "q8", "q16")  # index = quant.h's QAct
     OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
                                "isa": str, "allreduce": str, "timeout_s": (int, float), "act": str,
                                "invariant": bool}
@@ -87,10 +90,10 @@ class LowLatPlugin(Plugin):
         self.isa = options.get("isa", "auto")
         self.allreduce = options.get("allreduce", "auto")
         self.timeout_s = options.get("timeout_s")
-        self.act = options.get("act", "q8")
+        self.act = options.get("act", "q16")
         self.invariant = options.get("invariant")
-        if self.act not in ("q8", "float"):
-            raise ValueError(f"plugin lowlat: act must be 'q8' or 'float', got {self.act!r}")
+        if self.act not in self.ACT_MODES:
+            raise ValueError(f"plugin lowlat: act must be one of {list(self.ACT_MODES)}, got {self.act!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("plugin lowlat: threads must be >= 1")
         if not 1 <= self.max_rows <= 256:
@@ -442,7 +445,7 @@ class LowLatPlugin(Plugin):
         if any(isinstance(m, QuantLinear) for m in model.modules()):
             ws = [packed(m) for lyr, a in zip(layers, att)
                   for m in (a.qkv_proj, a.o_proj, getattr(lyr.mlp, "gate_up_proj", None), getattr(lyr.mlp, "down_proj", None))]
-            kernel.set_quant([*ws, packed(model.embed_tokens)], self.act == "q8")
+            kernel.set_quant([*ws, packed(model.embed_tokens)], self.ACT_MODES.index(self.act))
         kernel.invariant = self.invariant is not False
         return kernel
 

@@ -42,6 +42,7 @@ LW_I2(xor_si512, _mm256_xor_si256)
 LW_I2(mullo_epi32, _mm256_mullo_epi32)
 LW_I2(madd_epi16, _mm256_madd_epi16)
 LW_I2(maddubs_epi16, _mm256_maddubs_epi16)
+LW_I2(shuffle_epi8, _mm256_shuffle_epi8)
 #undef LW_F2
 #undef LW_I2
 
@@ -159,6 +160,7 @@ static inline f512 cvtph_ps(__m256i a) {
 static inline i512 set1_epi32(int a) { return {_mm256_set1_epi32(a), _mm256_set1_epi32(a)}; }
 static inline i512 set1_epi16(short a) { return {_mm256_set1_epi16(a), _mm256_set1_epi16(a)}; }
 static inline i512 set1_epi8(char a) { return {_mm256_set1_epi8(a), _mm256_set1_epi8(a)}; }
+static inline i512 broadcast_i32x4(__m128i a) { return {_mm256_broadcastsi128_si256(a), _mm256_broadcastsi128_si256(a)}; }
 static inline i512 setzero_si512() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline i512 set_epi32(int e15, int e14, int e13, int e12, int e11, int e10, int e9, int e8, int e7, int e6,
                              int e5, int e4, int e3, int e2, int e1, int e0) {
@@ -213,6 +215,7 @@ static inline __m256i maskz_loadu_epi16_256(unsigned m, const void* p) {
 #define _mm512_mullo_epi32 lw::mullo_epi32
 #define _mm512_madd_epi16 lw::madd_epi16
 #define _mm512_maddubs_epi16 lw::maddubs_epi16
+#define _mm512_shuffle_epi8 lw::shuffle_epi8
 #define _mm512_set1_ps lw::set1_ps
 #define _mm512_setzero_ps lw::setzero_ps
 #define _mm512_loadu_ps lw::loadu_ps
@@ -251,6 +254,7 @@ static inline __m256i maskz_loadu_epi16_256(unsigned m, const void* p) {
 #define _mm512_set1_epi16 lw::set1_epi16
 #define _mm512_set1_epi8 lw::set1_epi8
 #define _mm512_setzero_si512 lw::setzero_si512
+#define _mm512_broadcast_i32x4 lw::broadcast_i32x4
 #define _mm512_set_epi32 lw::set_epi32
 #define _mm512_loadu_si512 lw::loadu_si512
 #define _mm512_storeu_si512 lw::storeu_si512

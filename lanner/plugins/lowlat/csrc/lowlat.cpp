@@ -525,12 +525,12 @@ struct Model {
   std::vector<torch::Tensor> router_w, w13, w2;
   torch::Tensor scratch;  // activations for max_rows rows, exposed so the plugin can account for it
   // GGUF weights in their stored type (set_quant, quant.h): per layer qkv / o / gate_up / down, and the embedding
-  // (also the LM head); a kDense entry means the dense tensor above. q8: activations quantized per block (else
-  // float); q8 buffers: per thread max_rows rows of q8_stride bytes
+  // (also the LM head); a kDense entry means the dense tensor above. act: QAct, the activation mode; the
+  // quantized-row buffers: per thread max_rows rows of q8_stride bytes
   std::vector<QW> q_qkv, q_o, q_gu, q_down;
   QW q_embed;
   std::vector<torch::Tensor> q_keep;
-  bool q8 = true;
+  int act = kActQ8;
   int64_t off_q8 = 0, q8_stride = 0;
   // batch invariance: a row's attention arithmetic depends only on its own context length (PyTorch's flash
   // attention, which the default path mirrors, switches exp variants at the padded batch's length)
@@ -701,8 +701,9 @@ struct Model {
   }
 
   // GGUF weights in their stored type: ws = per layer [qkv, o, gate_up, down] (4 L entries, an empty list for a
-  // dense one), then the embedding; act_q8: q8 (else float) activations. Sizes the q8 buffers.
-  void set_quant(std::vector<std::vector<torch::Tensor>> ws, bool act_q8) {
+  // dense one), then the embedding; act_mode: QAct (float, q8 or q16 activations). Sizes the quantized-row buffers.
+  void set_quant(std::vector<std::vector<torch::Tensor>> ws, int64_t act_mode) {
+    TORCH_CHECK(act_mode >= kActFloat && act_mode <= kActQ16, "lowlat.set_quant: act must be 0, 1 or 2");
     TORCH_CHECK((int64_t)ws.size() == 4 * L + 1, "lowlat.set_quant: expected ", 4 * L + 1, " weights");
     TORCH_CHECK(!dot, "lowlat: stored-type weights take float activations (no bf16 dot products)");
     const int64_t nqkv = (H + 2 * Hkv) * D;
@@ -723,8 +724,8 @@ struct Model {
                   "lowlat: layer ", l, " lacks a weight (neither dense nor stored)");
     }
     TORCH_CHECK(q_embed.quant() || embed.numel(), "lowlat: the embedding is neither dense nor stored");
-    q8 = act_q8;
-    q8_stride = (Q8Row::bytes(nbp_max) + 63) / 64 * 64;
+    act = int(act_mode);
+    q8_stride = (act_row_bytes(nbp_max) + 63) / 64 * 64;
     off_q8 = scratch.numel();
     auto grown = torch::zeros({off_q8 + nthreads * max_rows * q8_stride + 64}, torch::kUInt8);
     grown.narrow(0, 0, off_q8).copy_(scratch);
@@ -808,15 +809,15 @@ struct Model {
   }
 
   // one of the forward's matmuls: the stored-type kernel when the weight is quantized, else the dense GEMV.
-  // quantize=false reuses the q8 rows the previous call left in this thread's buffer (same X)
+  // quantize=false reuses the quantized rows the previous call left in this thread's buffer (same X)
   template <typename WT, typename XT>
   void mm(const QW& q, const torch::Tensor& dense, int64_t K, int64_t n0, int64_t n1, const XT* X, int64_t ldx, int M,
           float* out, int64_t ldo, int tid, bool quantize = true) const {
     if (!q.quant()) return gemv<WT, XT>(ptr<WT>(dense), K, n0, n1, X, ldx, M, out, ldo);
     if constexpr (std::is_same<XT, float>::value) {
       char* xq = q8buf(tid);
-      if (q8 && quantize) quantize_rows(X, ldx, M, K, q.nbp, xq, q8_stride);
-      qgemv(q, n0, n1, X, ldx, xq, q8_stride, q8, M, out, ldo);
+      if (act != kActFloat && quantize) quantize_rows(X, ldx, M, K, q.nbp, xq, q8_stride, act);
+      qgemv(q, n0, n1, X, ldx, xq, q8_stride, act, M, out, ldo);
     }
   }
 
@@ -1863,7 +1864,7 @@ struct Model {
     const size_t keep = q_keep.size();
     const QW q = make_qw(w, N, K, "qlinear weight");
     q_keep.resize(keep);  // the caller holds w for the call
-    TORCH_CHECK(q.quant() && q8_stride >= Q8Row::bytes(q.nbp), "lowlat.qlinear: needs set_quant and a weight no "
+    TORCH_CHECK(q.quant() && q8_stride >= act_row_bytes(q.nbp), "lowlat.qlinear: needs set_quant and a weight no "
                 "wider than the model's");
     const auto t0 = std::chrono::steady_clock::now();
     auto xf = x.to(torch::kFloat32).contiguous();
@@ -1876,8 +1877,8 @@ struct Model {
       int64_t a, b;
       split(N, 16, tid, omp_get_num_threads(), a, b);
       char* xq = q8buf(tid);
-      if (q8) quantize_rows(xp, K, int(M), K, q.nbp, xq, q8_stride);
-      qgemv(q, a, b, xp, K, xq, q8_stride, q8, int(M), yp, N);
+      if (act != kActFloat) quantize_rows(xp, K, int(M), K, q.nbp, xq, q8_stride, act);
+      qgemv(q, a, b, xp, K, xq, q8_stride, act, int(M), yp, N);
     }
     if (profile) prof[4] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return out_float ? y : y.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
