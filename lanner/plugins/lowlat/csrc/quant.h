@@ -12,7 +12,7 @@
 //          s8 codes are biased to unsigned (xor 0x80) and the bias removed by starting the sum at -128 * sum(x).
 //   q16:   each activation row is quantized per block of 32 to int16 codes in [-16383, 16383] with a float32
 //          scale (3e-5 of the block's largest magnitude: float quality, where q8 visibly changes a small model's
-//          text) and a block pair is 2 vpmaddwd against the weight codes widened by an in-lane byte shuffle
+//          text) and a block pair is 2 vpmaddwd (2 vpdpwssd with AVX512-VNNI) against the weight codes widened by an in-lane byte shuffle
 //          (u4 zero-extended; s8 into the high byte, so 256 w exactly, the 256 taken off at the end);
 //   float: the codes are turned into exact float32 weights (d * q + m rounds once, like the reference
 //          dequantization) and FMA'd against float activations.
@@ -290,8 +290,12 @@ static inline void q16_rows(const QW& w, int64_t n, const Q16Row* xr, float* out
     const __m512i wa = _mm512_shuffle_epi8(wq, sh0), wb = _mm512_shuffle_epi8(wq, sh1);
     for (int r = 0; r < MB; r++) {
       const int16_t* xq = xr[r].q + p * 64;
-      const __m512i s = _mm512_add_epi32(_mm512_madd_epi16(wa, _mm512_loadu_si512((const void*)xq)),
-                                         _mm512_madd_epi16(wb, _mm512_loadu_si512((const void*)(xq + 32))));
+      const __m512i xa = _mm512_loadu_si512((const void*)xq), xb = _mm512_loadu_si512((const void*)(xq + 32));
+#ifdef __AVX512VNNI__  // vpdpwssd: the same wrapping int32 sums (nothing here overflows), one instruction less
+      const __m512i s = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(_mm512_setzero_si512(), wa, xa), wb, xb);
+#else
+      const __m512i s = _mm512_add_epi32(_mm512_madd_epi16(wa, xa), _mm512_madd_epi16(wb, xb));
+#endif
       const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xr[r].db + p * 16));
       acc[r] = _mm512_fmadd_ps(t, dw, acc[r]);
     }
