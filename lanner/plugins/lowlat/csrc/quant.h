@@ -12,8 +12,9 @@
 //          s8 codes are biased to unsigned (xor 0x80) and the bias removed by starting the sum at -128 * sum(x).
 //   q16:   each activation row is quantized per block of 32 to int16 codes in [-16383, 16383] with a float32
 //          scale (3e-5 of the block's largest magnitude: float quality, where q8 visibly changes a small model's
-//          text) and a block pair is 2 vpmaddwd (2 vpdpwssd with AVX512-VNNI) against the weight codes widened by an in-lane byte shuffle
-//          (u4 zero-extended; s8 into the high byte, so 256 w exactly, the 256 taken off at the end);
+//          text) and a block pair is 2 vpmaddwd (2 vpdpwssd with AVX512-VNNI) against the weight codes widened
+//          by an in-lane byte shuffle (u4 zero-extended; s8 into the high byte, so 256 w exactly, the 256 taken
+//          off at the end);
 //   float: the codes are turned into exact float32 weights (d * q + m rounds once, like the reference
 //          dequantization) and FMA'd against float activations.
 // Each unpacked weight block is reused across up to 4 activation rows. Batch invariance: the arithmetic for
