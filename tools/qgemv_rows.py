@@ -1,6 +1,6 @@
-"""lowlat's q8 (or q16 / float) GEMVs over the bundled model's stored GGUF blocks against 1, 2 and 4 activation rows: one `qlinear`
-pass over every quantized matrix but the embedding / LM head (the working set of a decode step's matmuls, larger
-than L3), best of 15, ms per pass. What a verify row costs next to a decode row in the matmuls (the hybrid
+"""lowlat's q8 (or q16 / float) GEMVs over the bundled model's stored GGUF blocks against 1, 2 and 4 activation
+rows: one `qlinear` pass over every quantized matrix but the embedding / LM head (the working set of a decode
+step's matmuls, larger than L3), best of 15, ms per pass. What a verify row costs next to a decode row in the matmuls (the hybrid
 speculation's row cost, docs/speculation.md).
 Usage: OMP_NUM_THREADS=1 python tools/qgemv_rows.py [THREADS] [ACT (q8, q16, float; default q8)]"""
 import sys
@@ -13,7 +13,8 @@ from lanner.models.quant import QuantLinear
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 act = sys.argv[2] if len(sys.argv) > 2 else "q8"
-llm = LLM(weights="stored", dtype="float32", plugin="lowlat", plugin_options={"lowlat": {"threads": threads, "act": act}},
+llm = LLM(weights="stored", dtype="float32", plugin="lowlat",
+          plugin_options={"lowlat": {"threads": threads, "act": act}},
           spec=None, kv_cache_memory="0.05GiB")
 kernel = llm.engine.plugins.plugins[0]._kernel
 linears = [(m.packed(), m.out_features, m.in_features) for n, m in llm.engine.kv.runner.model.named_modules()

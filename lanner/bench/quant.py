@@ -1,6 +1,7 @@
 """GGUF weights as stored (EngineConfig.weights="stored") against llama.cpp on the same file, single stream, at each
 thread count: Lanner + lowlat with q8 activations (llama.cpp's), with q16 (Lanner's default for stored blocks), with
-float activations, Lanner + lowlat on bf16-dequantized weights, and llama.cpp in its own process. Same chat-templated prompts, greedy, EOS ignored.
+float activations, Lanner + lowlat on bf16-dequantized weights, and llama.cpp in its own process. Same
+chat-templated prompts, greedy, EOS ignored.
 Also: where Lanner's q8 greedy tokens part from llama.cpp's (and llama.cpp's top-2 logit gap there), and lowlat's
 per-token time split (GEMVs, LM head, attention, barrier waits, the rest) from thread 0's clock.
 """
@@ -29,12 +30,10 @@ def add_arguments(p):
 
 def _systems(threads: int) -> dict[str, dict]:
     low = {"threads": threads}
-    return {"lanner stored q8": {"dtype": "float32", "weights": "stored", "plugin_options": {"lowlat": low | {"act": "q8"}}},
-            "lanner stored q16": {"dtype": "float32", "weights": "stored",
-                                  "plugin_options": {"lowlat": low | {"act": "q16"}}},
-            "lanner stored float": {"dtype": "float32", "weights": "stored",
-                                    "plugin_options": {"lowlat": low | {"act": "float"}}},
-            "lanner bf16 dequantized": {"dtype": "bfloat16", "weights": "dequantize", "plugin_options": {"lowlat": low}}}
+    stored = {f"lanner stored {act}": {"dtype": "float32", "weights": "stored",
+                                       "plugin_options": {"lowlat": low | {"act": act}}} for act in ("q8", "q16", "float")}
+    return stored | {"lanner bf16 dequantized": {"dtype": "bfloat16", "weights": "dequantize",
+                                                 "plugin_options": {"lowlat": low}}}
 
 
 def _first_difference(a: list[int], b: list[int], gaps: list[float]) -> dict:

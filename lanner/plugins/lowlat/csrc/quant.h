@@ -172,6 +172,19 @@ static inline __m512 pair_scales(const QW& w, int64_t n, int64_t p) {
   return pair_lanes(w.df + n * w.nbp + 2 * p);
 }
 
+// pair(p, acc, weight scales) over the block pairs of row n: even pairs into acc0, odd ones into acc1, two pairs a
+// turn so that both chains stay in registers (indexed by p & 1 they went through memory)
+template <bool KQ, typename Pair>
+static inline void each_pair(const QW& w, int64_t n, __m512* acc0, __m512* acc1, Pair&& pair) {
+  const int64_t np = w.nbp / 2;
+  int64_t p = 0;
+  for (; p + 2 <= np; p += 2) {
+    pair(p, acc0, pair_scales<KQ>(w, n, p));
+    pair(p + 1, acc1, pair_scales<KQ>(w, n, p + 1));
+  }
+  if (p < np) pair(p, acc0, pair_scales<KQ>(w, n, p));
+}
+
 // u4's offset term of weight row n: sum over blocks of m * s (s: the activation row's per-block d * sum(q), zero
 // past its blocks), 16 blocks per step
 template <bool KQ>
@@ -190,22 +203,13 @@ static inline float u4_mterm(const QW& w, int64_t n, const float* s) {
   return _mm512_reduce_add_ps(a);
 }
 
-// weight row n against MB q8 activation rows -> out[r * ldo]. Even pairs sum into acc0, odd ones into acc1: the
-// loop takes two pairs a turn so that both chains stay in registers (indexed by p & 1 they went through memory)
+// weight row n against MB q8 activation rows -> out[r * ldo] (two accumulator chains: each_pair)
 template <int MB, bool KQ>
 static inline void q8_rows(const QW& w, int64_t n, const Q8Row* xr, float* out, int64_t ldo) {
   const int64_t np = w.nbp / 2;
   __m512 acc0[MB], acc1[MB];
   for (int r = 0; r < MB; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  auto sc = [&](int64_t p) { return pair_scales<KQ>(w, n, p); };
-  auto pairs = [&](auto&& pair) {
-    int64_t p = 0;
-    for (; p + 2 <= np; p += 2) {
-      pair(p, acc0, sc(p));
-      pair(p + 1, acc1, sc(p + 1));
-    }
-    if (p < np) pair(p, acc0, sc(p));
-  };
+  auto pairs = [&](auto&& pair) { each_pair<KQ>(w, n, acc0, acc1, pair); };
   if (w.fmt == kU4) {
     const uint8_t* qs = w.qs + n * np * 32;
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
@@ -275,7 +279,6 @@ static inline void q16_rows(const QW& w, int64_t n, const Q16Row* xr, float* out
   const __m512i sh0 = _mm512_broadcast_i32x4(q16_shuffle(false, s8)), sh1 = _mm512_broadcast_i32x4(q16_shuffle(true, s8));
   __m512 acc0[MB], acc1[MB];
   for (int r = 0; r < MB; r++) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  auto sc = [&](int64_t p) { return pair_scales<KQ>(w, n, p); };
   const uint8_t* qu = w.qs + n * np * 32;
   const int8_t* qb = reinterpret_cast<const int8_t*>(w.qs) + n * w.nbp * 32;
   const __m256i lo4 = _mm256_set1_epi8(0x0f);
@@ -301,12 +304,7 @@ static inline void q16_rows(const QW& w, int64_t n, const Q16Row* xr, float* out
       acc[r] = _mm512_fmadd_ps(t, dw, acc[r]);
     }
   };
-  int64_t p = 0;
-  for (; p + 2 <= np; p += 2) {
-    pair(p, acc0, sc(p));
-    pair(p + 1, acc1, sc(p + 1));
-  }
-  if (p < np) pair(p, acc0, sc(p));
+  each_pair<KQ>(w, n, acc0, acc1, pair);
   for (int r = 0; r < MB; r++) {
     float v = _mm512_reduce_add_ps(_mm512_add_ps(acc0[r], acc1[r]));
     if (s8) v *= 1.f / 256.f;  // a power of two: the same bits as taking it off every product
