@@ -2,7 +2,8 @@
 thread count: Lanner + lowlat with q8 activations (llama.cpp's), with q16 (Lanner's default for stored blocks), with
 float activations, Lanner + lowlat on bf16-dequantized weights, and llama.cpp in its own process. Same
 chat-templated prompts, greedy, EOS ignored.
-Also: where Lanner's q8 greedy tokens part from llama.cpp's (and llama.cpp's top-2 logit gap there), and lowlat's
+Also: where each system's greedy tokens part from llama.cpp's (and llama.cpp's top-2 logit gap there; llama.cpp
+with a float32 KV cache is measured as a reference for how far its own tokens move with precision), and lowlat's
 per-token time split (GEMVs, LM head, attention, barrier waits, the rest) from thread 0's clock.
 """
 from __future__ import annotations
@@ -18,6 +19,9 @@ from lanner.bench.llamacpp import available, run_peer
 HELP = "GGUF stored-type kernels vs llama.cpp (own process) on the same file, per thread count."
 DESCRIPTION = __doc__
 PHASES = ("gemv", "attention", "barrier", "other", "lm_head")
+# llama.cpp as the peer (its default float16 KV cache), and with a float32 KV cache: where llama.cpp's own greedy
+# tokens part when only its KV precision changes is the scale against which Lanner's first differences are read
+PEERS = {"llama.cpp": False, "llama.cpp f32 KV": True}
 
 
 def add_arguments(p):
@@ -73,11 +77,12 @@ def run(args, engine_options: dict) -> dict:
             gc.collect()
         if source.kind == "gguf" and not why_not:
             try:
-                runs["llama.cpp"] = run_peer(source.path, prompt_ids, warm_ids, args.max_tokens, th)
-                row["llama.cpp"] = latency._summary([latency._run_record(r["token_ids"], r["total_s"], r["ttft_s"])
-                                                     for r in runs["llama.cpp"]])
+                for peer_name, f32_kv in PEERS.items():
+                    runs[peer_name] = run_peer(source.path, prompt_ids, warm_ids, args.max_tokens, th, f32_kv=f32_kv)
+                    row[peer_name] = latency._summary([latency._run_record(r["token_ids"], r["total_s"], r["ttft_s"])
+                                                       for r in runs[peer_name]])
                 peer = row["llama.cpp"]["decode_tok_s"]
-                for name in _systems(th):
+                for name in [*_systems(th), "llama.cpp f32 KV"]:
                     row[name]["decode_vs_llama_cpp"] = row[name]["decode_tok_s"] / peer
                     row[name]["greedy_vs_llama_cpp"] = [
                         _first_difference(a["token_ids"], b["token_ids"], b["top2_gap"])
