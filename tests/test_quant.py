@@ -105,11 +105,11 @@ def _q8_activations(x):
 
 
 def _q16_activations(x):
-    """lowlat's q16 rounding (per block of 32: d = amax / 16383 in float32, codes to nearest even)."""
+    """lowlat's q16 rounding (per block of 32: d = amax / 16256 in float32, codes to nearest even)."""
     b = x.reshape(x.shape[0], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
-    codes = torch.round(b * torch.where(amax > 0, 16383 / amax, 0))
-    return (codes.double() * (amax / 16383).double()).reshape(x.shape)
+    codes = torch.round(b * torch.where(amax > 0, 16256 / amax, 0))
+    return (codes.double() * (amax / 16256).double()).reshape(x.shape)
 
 
 @needs_lowlat
@@ -120,7 +120,7 @@ def test_k_quant_kernels(plugins, name):
     (a wrong sub-block scale is off by tens of percent)."""
     n, k = 40, 512
     p = quant.repack(_random_k_blocks(name, n, k, 2), name, k)
-    packed = [p["qs"], p["d"]] + ([p["m"]] if "m" in p else [])
+    packed = quant.interleave(p["qs"], p["d"], p.get("m"))
     w = quant.dequantize(p["qs"], p["d"], p.get("m"), k).double()
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
     for act, xr, tol in (("float", x.double(), 1e-5), ("q8", _q8_activations(x), 2e-3),
@@ -297,7 +297,7 @@ def test_avx2_build_is_bit_identical(models, plugins):
             if act == "dense":
                 continue
             q = quant.repack(_random_k_blocks(name, 40, 512, 2), name, 512)
-            packed = [q["qs"], q["d"]] + ([q["m"]] if "m" in q else [])
+            packed = quant.interleave(q["qs"], q["d"], q.get("m"))
             x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
             assert torch.equal(p._kernel.qlinear(x, packed, 40, True), plugins[act]._kernel.qlinear(x, packed, 40, True))
 

@@ -14,7 +14,11 @@ of two SIMD-friendly formats without changing any value (every weight still dequ
         of 32 (value = d' * q + m', the gguf package's d * sc * q - dmin * m with the same single rounding).
   "s8k": Q6_K: s8 codes q - 32 with d * sc per 16 elements (value = d' * q).
 
-Rows are padded to an even block count (zero codes, zero scales; K-quant rows never need it). Scales are kept as
+Rows are padded to an even block count (zero codes, zero scales; K-quant rows never need it). A module holds its
+rows interleaved in groups of GROUP = 16 (`interleave`): qs [groups, chunks, 8, 16, 4], where a chunk is a row's
+32 bytes of codes (a u4 block pair, an s8 block) and [t, i] holds bytes 4t..4t+3 of the group's row i, and
+scales [groups, blocks, 16]. lowlat's kernels then run 16 rows per vector (one row per 32-bit lane) against
+broadcast activations (lanner/plugins/lowlat/csrc/quant.h); the last group is padded with zero rows. Scales are kept as
 raw bits in integer buffers (float16 in int16, float32 in int32), so that `model.to(dtype)` leaves them alone. The engine's own forward (prefill past the plugin's rows,
 other devices) uses these same buffers: `QuantLinear` dequantizes 4096-row tiles on the fly inside its matmul,
 so no second, dense copy of the weights exists. lowlat's C++ kernels read the buffers directly.
@@ -122,34 +126,67 @@ def dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int
     return w.reshape(n, -1)[:, :k].to(dtype)
 
 
+GROUP = 16  # weight rows interleaved per group
+
+
+def interleave(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """repack()'s row-major [N, chunks, 32] codes and [N, units] scales -> the grouped layout (module docstring),
+    [qs, d(, m)]; N is padded to whole groups with zero rows."""
+    n = qs.shape[0]
+    pad = -n % GROUP
+
+    def grouped(t):
+        t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))]) if pad else t
+        g = t.shape[0] // GROUP
+        if t.dim() == 2:  # scales
+            return t.reshape(g, GROUP, -1).transpose(1, 2).contiguous()
+        return t.reshape(g, GROUP, t.shape[1], 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+    return [grouped(t) for t in (qs, d, m) if t is not None]
+
+
+def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx of a grouped buffer in repack()'s row-major layout."""
+    g, i = idx // GROUP, idx % GROUP
+    if t.dim() == 3:  # scales [groups, units, 16]
+        return t[g, :, i]
+    return t[g, :, :, i, :].reshape(len(idx), t.shape[1], 32)  # codes [groups, chunks, 8, 16, 4]
+
+
 class QuantLinear(nn.Module):
-    """A linear layer (or the tied embedding / LM head) over repacked GGUF blocks; see the module docstring.
-    `weight` (a dense copy made on each access) exists for callers that need the matrix itself; the forward never
-    builds it whole."""
+    """A linear layer (or the tied embedding / LM head) over repacked GGUF blocks, rows interleaved in groups of
+    16; see the module docstring. `weight` (a dense copy made on each access) exists for callers that need the
+    matrix itself; the forward never builds it whole."""
 
     def __init__(self, out_features: int, in_features: int, fmt: str, bias: bool = False,
                  pieces: list[int] | None = None, device=None):
         super().__init__()
         nbp = -(-in_features // BLOCK)
         nbp += nbp % 2
+        groups = -(-out_features // GROUP)
         self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
         self.dtype = torch.float32  # the activations' dtype; set by the loader
         kw = {"device": device}
         bits = torch.int32 if fmt.endswith("k") else torch.int16  # float32 / float16 scales (module docstring)
+        chunks = nbp // 2 if fmt.startswith("u4") else nbp
+        code = torch.uint8 if fmt.startswith("u4") else torch.int8
+        self.register_buffer("qs", torch.zeros(groups, chunks, 8, GROUP, 4, dtype=code, **kw))
+        units = nbp * (2 if fmt == "s8k" else 1)
+        self.register_buffer("d", torch.zeros(groups, units, GROUP, dtype=bits, **kw))
         if fmt.startswith("u4"):
-            self.register_buffer("qs", torch.empty(out_features, nbp // 2, BLOCK, dtype=torch.uint8, **kw))
-            self.register_buffer("m", torch.empty(out_features, nbp, dtype=bits, **kw))
+            self.register_buffer("m", torch.zeros(groups, units, GROUP, dtype=bits, **kw))
         else:
-            self.register_buffer("qs", torch.empty(out_features, nbp, BLOCK, dtype=torch.int8, **kw))
             self.m = None
-        self.register_buffer("d", torch.empty(out_features, nbp * (2 if fmt == "s8k" else 1), dtype=bits, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.offsets = np.cumsum([0, *(pieces or [out_features])]).tolist()  # fused pieces' first rows
         self.pieces = pieces or [out_features]
 
+    def _dequantize(self, idx: torch.Tensor, dtype) -> torch.Tensor:
+        return dequantize(_rows(self.qs, idx), _rows(self.d, idx), None if self.m is None else _rows(self.m, idx),
+                          self.in_features, dtype)
+
     def dense(self, rows: slice = slice(None), dtype=None) -> torch.Tensor:
-        return dequantize(self.qs[rows], self.d[rows], None if self.m is None else self.m[rows], self.in_features,
-                          dtype or self.dtype)
+        return self._dequantize(torch.arange(self.out_features, device=self.qs.device)[rows], dtype or self.dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -167,8 +204,7 @@ class QuantLinear(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the matrix (the embedding lookup)."""
-        return dequantize(self.qs[ids], self.d[ids], None if self.m is None else self.m[ids], self.in_features,
-                          self.dtype)
+        return self._dequantize(ids.reshape(-1), self.dtype).reshape(*ids.shape, self.in_features)
 
     def packed(self) -> list[torch.Tensor]:
         return [self.qs, self.d] + ([] if self.m is None else [self.m])
@@ -181,12 +217,15 @@ class QuantLinear(nn.Module):
             self.bias[r0 : r0 + tensor.shape[0]].copy_(tensor)
             return
         n = tensor["qs"].shape[0]
-        if r0 + n > self.offsets[piece + 1] or tensor["qs"].shape[1:] != self.qs.shape[1:]:
+        if r0 + n > self.offsets[piece + 1] or tensor["qs"].shape[1:] != (self.qs.shape[1], 32):
             raise ValueError(f"quantized piece {piece} of shape {tuple(tensor['qs'].shape)} does not fit "
-                             f"{tuple(self.qs.shape)} at row {r0}")
-        for key, buf in (("qs", self.qs), ("d", self.d), ("m", self.m)):
-            if buf is not None:
-                buf[r0 : r0 + n].copy_(tensor[key])
+                             f"{self.out_features} rows of {self.qs.shape[1]} x 32 codes at row {r0}")
+        idx = torch.arange(r0, r0 + n)
+        g, i = idx // GROUP, idx % GROUP
+        self.qs[g, :, :, i, :] = tensor["qs"].reshape(n, self.qs.shape[1], 8, 4)
+        self.d[g, :, i] = tensor["d"]
+        if self.m is not None:
+            self.m[g, :, i] = tensor["m"]
 
 
 class QuantEmbedding(QuantLinear):
@@ -267,6 +306,8 @@ def load_stored(model: nn.Module, plan: dict[str, tuple], dtype: torch.dtype, pe
     for owner, (_, items) in plan.items():
         mod = model.get_submodule(owner)
         mod.dtype = dtype
+        for buf in mod.packed():  # to_empty left them uninitialized: the last group's padding rows stay zero
+            buf.zero_()
         for t, piece in items:
             packed = repack(np.asarray(t.data), t.tensor_type.name, int(t.shape[0]))
             mod.load("weight", {k: permute(t, v) for k, v in packed.items()}, piece)

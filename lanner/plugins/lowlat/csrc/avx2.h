@@ -177,6 +177,7 @@ static inline void storeu_si512(void* p, i512 a) {
 }
 static inline i512 slli_epi32(i512 a, int n) { return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
 static inline i512 srli_epi32(i512 a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
+static inline i512 srai_epi32(i512 a, int n) { return {_mm256_srai_epi32(a.lo, n), _mm256_srai_epi32(a.hi, n)}; }
 static inline i512 abs_epi8(i512 a) { return {_mm256_abs_epi8(a.lo), _mm256_abs_epi8(a.hi)}; }
 static inline i512 sign_epi8(i512 a, i512 b) { return {_mm256_sign_epi8(a.lo, b.lo), _mm256_sign_epi8(a.hi, b.hi)}; }
 // 16 x 16-bit lanes, masked ones not read: the AVX512BW/VL load. Whole vectors are one load, and masks that keep
@@ -260,5 +261,6 @@ static inline __m256i maskz_loadu_epi16_256(unsigned m, const void* p) {
 #define _mm512_storeu_si512 lw::storeu_si512
 #define _mm512_slli_epi32 lw::slli_epi32
 #define _mm512_srli_epi32 lw::srli_epi32
+#define _mm512_srai_epi32 lw::srai_epi32
 #define _mm512_abs_epi8 lw::abs_epi8
 #define _mm256_maskz_loadu_epi16 lw::maskz_loadu_epi16_256

@@ -662,9 +662,9 @@ struct Model {
     return reinterpret_cast<X*>((base + 63) / 64 * 64 + off);
   }
 
-  // a repacked weight from [qs, d(, m)] (lanner/models/quant.py): qs uint8 [N, blocks / 2, 32] is u4 (with m),
-  // int8 [N, blocks, 32] s8; int16 scales are float16 per block of 32, int32 ones a K-quant's float32 (per 32 for
-  // u4, per 16 for s8)
+  // a repacked weight from [qs, d(, m)] (lanner/models/quant.py), rows interleaved in groups of 16: qs uint8
+  // [groups, blocks / 2, 8, 16, 4] is u4 (with m), int8 [groups, blocks, 8, 16, 4] s8; int16 scales
+  // [groups, blocks, 16] are float16 per block of 32, int32 ones a K-quant's float32 (per 32 for u4, per 16 for s8)
   QW make_qw(const std::vector<torch::Tensor>& t, int64_t N, int64_t K, const std::string& what) {
     QW w;
     if (t.empty()) return w;
@@ -675,18 +675,20 @@ struct Model {
     w.N = N;
     w.K = K;
     w.nbp = ((K + 31) / 32 + 1) / 2 * 2;
+    const int64_t G = w.groups();
     const bool kq = t[1].scalar_type() == at::kInt;
     const int64_t nd = kq && w.fmt == kS8 ? 2 * w.nbp : w.nbp;
-    TORCH_CHECK(t[1].sizes() == c10::IntArrayRef({N, nd}) && (kq || t[1].scalar_type() == at::kShort),
-                "lowlat: ", what, ": scales must be int16 (float16 bits) or int32 (float32 bits) [", N, ", ", nd, "]");
+    TORCH_CHECK(t[1].sizes() == c10::IntArrayRef({G, nd, kGroup}) && (kq || t[1].scalar_type() == at::kShort),
+                "lowlat: ", what, ": scales must be int16 (float16 bits) or int32 (float32 bits) [", G, ", ", nd,
+                ", 16]");
     TORCH_CHECK(!kq || w.nbp * 32 == K, "lowlat: ", what, ": K-quant rows must be whole blocks, got K = ", K);
     if (w.fmt == kU4) {
-      TORCH_CHECK(t.size() == 3 && qs.sizes() == c10::IntArrayRef({N, w.nbp / 2, 32}) && t[2].sizes() == t[1].sizes() &&
-                      t[2].scalar_type() == t[1].scalar_type(), "lowlat: ", what, ": u4 needs qs [", N, ", ",
-                  w.nbp / 2, ", 32] uint8 and m like d");
+      TORCH_CHECK(t.size() == 3 && qs.sizes() == c10::IntArrayRef({G, w.nbp / 2, 8, kGroup, 4}) &&
+                      t[2].sizes() == t[1].sizes() && t[2].scalar_type() == t[1].scalar_type(),
+                  "lowlat: ", what, ": u4 needs qs [", G, ", ", w.nbp / 2, ", 8, 16, 4] uint8 and m like d");
     } else {
-      TORCH_CHECK(qs.scalar_type() == at::kChar && qs.sizes() == c10::IntArrayRef({N, w.nbp, 32}),
-                  "lowlat: ", what, ": s8 needs qs int8 [", N, ", ", w.nbp, ", 32]");
+      TORCH_CHECK(qs.scalar_type() == at::kChar && qs.sizes() == c10::IntArrayRef({G, w.nbp, 8, kGroup, 4}),
+                  "lowlat: ", what, ": s8 needs qs int8 [", G, ", ", w.nbp, ", 8, 16, 4]");
     }
     w.qs = reinterpret_cast<const uint8_t*>(qs.data_ptr());
     if (kq) {
@@ -816,8 +818,8 @@ struct Model {
     if (!q.quant()) return gemv<WT, XT>(ptr<WT>(dense), K, n0, n1, X, ldx, M, out, ldo);
     if constexpr (std::is_same<XT, float>::value) {
       char* xq = q8buf(tid);
-      if (act != kActFloat && quantize) quantize_rows(X, ldx, M, K, q.nbp, xq, q8_stride, act);
-      qgemv(q, n0, n1, X, ldx, xq, q8_stride, act, M, out, ldo);
+      if (quantize) prepare_rows(X, ldx, M, K, q.nbp, xq, q8_stride, act);
+      qgemv(q, n0, n1, xq, q8_stride, act, M, out, ldo);
     }
   }
 
@@ -1877,8 +1879,8 @@ struct Model {
       int64_t a, b;
       split(N, 16, tid, omp_get_num_threads(), a, b);
       char* xq = q8buf(tid);
-      if (act != kActFloat) quantize_rows(xp, K, int(M), K, q.nbp, xq, q8_stride, act);
-      qgemv(q, a, b, xp, K, xq, q8_stride, act, int(M), yp, N);
+      prepare_rows(xp, K, int(M), K, q.nbp, xq, q8_stride, act);
+      qgemv(q, a, b, xq, q8_stride, act, int(M), yp, N);
     }
     if (profile) prof[4] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return out_float ? y : y.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
