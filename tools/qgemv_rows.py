@@ -1,4 +1,4 @@
-"""lowlat's q8 (or q16 / float) GEMVs over the bundled model's stored GGUF blocks against 1, 2 and 4 activation
+"""lowlat's q8 (or q16 / float) GEMVs over the bundled model's stored GGUF blocks against 1, 2, 4, 8 and 16 activation
 rows: one `qlinear` pass over every quantized matrix but the embedding / LM head (the working set of a decode
 step's matmuls, larger than L3), best of 15, ms per pass. What a verify row costs next to a decode row in the matmuls (the hybrid
 speculation's row cost, docs/speculation.md).
@@ -21,7 +21,7 @@ linears = [(m.packed(), m.out_features, m.in_features) for n, m in llm.engine.kv
            if isinstance(m, QuantLinear) and "lm_head" not in n and "embed" not in n]
 g = torch.Generator().manual_seed(0)
 ms = {}
-for rows in (1, 2, 4):
+for rows in (1, 2, 4, 8, 16):
     xs = {k: torch.randn(rows, k, generator=g) for k in {k for _, _, k in linears}}
     best = float("inf")
     for _ in range(15):

@@ -201,7 +201,8 @@ static inline void group_int(const QW& w, int64_t g, const ARow* xr, __m512* out
   for (int r = 0; r < MB; r++) acc[r] = accm[r] = _mm512_setzero_ps();
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
   // nvec code vectors from v covering elements e0.. of block b, scale unit j; bias halves [h0, h0 + nh)
-  auto unit = [&](const uint8_t* v, int nvec, int shift, int64_t e0, int64_t b, int64_t j, int64_t h0, int nh) {
+  auto unit = [&](const uint8_t* v, int nvec, int shift, int64_t e0, int64_t b, int64_t j, int64_t h0, int nh)
+                  __attribute__((always_inline)) {
     __m512i ih[MB], il[MB];
     for (int r = 0; r < MB; r++) {
 #ifdef __AVX512VNNI__
@@ -258,7 +259,7 @@ template <int MB, bool S8>
 static inline void group_float(const QW& w, int64_t g, const ARow* xr, __m512* out) {
   __m512 acc[MB], accm[MB];
   for (int r = 0; r < MB; r++) acc[r] = accm[r] = _mm512_setzero_ps();
-  auto unit = [&](const uint8_t* v, int nvec, int shift, int64_t e0, int64_t b, int64_t j) {
+  auto unit = [&](const uint8_t* v, int nvec, int shift, int64_t e0, int64_t b, int64_t j) __attribute__((always_inline)) {
     __m512 fa[MB][2];
     for (int r = 0; r < MB; r++) fa[r][0] = fa[r][1] = _mm512_setzero_ps();
     for (int t = 0; t < nvec; t++) {
@@ -305,16 +306,19 @@ static inline void group_rows(const QW& w, int64_t g, const ARow* xr, int act, _
 }
 
 // rows [n0, n1) of W against M prepared activation rows (xq, stride qstride bytes): out[m * ldo + n]. Whole
-// groups are computed; only the lanes in [n0, n1) are stored.
+// groups are computed; only the lanes in [n0, n1) are stored. Groups outside, rows inside: a group's codes come
+// from memory once and from L1 / L2 for every further 4 rows (a verify step costs about what a decode step does)
 static void qgemv(const QW& w, int64_t n0, int64_t n1, char* xq, int64_t qstride, int act, int M, float* out,
                   int64_t ldo) {
-  ARow xr[4];
-  for (int m0 = 0; m0 < M; m0 += 4) {
-    const int mb = std::min(4, M - m0);
-    for (int r = 0; r < mb; r++) xr[r] = ARow::at(xq + (m0 + r) * qstride, w.nbp);
-    for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
+  const bool s8 = w.fmt == kS8;
+  for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
+    const int64_t lo = std::max(n0, g * kGroup) - g * kGroup, hi = std::min(n1, (g + 1) * kGroup) - g * kGroup;
+    const __mmask16 mk = (__mmask16)(((1u << (hi - lo)) - 1) << lo);
+    for (int m0 = 0; m0 < M; m0 += 4) {
+      const int mb = std::min(4, M - m0);
+      ARow xr[4];
+      for (int r = 0; r < mb; r++) xr[r] = ARow::at(xq + (m0 + r) * qstride, w.nbp);
       __m512 res[4];
-      const bool s8 = w.fmt == kS8;
       switch (mb * 2 + s8) {
         case 2: group_rows<1, false>(w, g, xr, act, res); break;
         case 3: group_rows<1, true>(w, g, xr, act, res); break;
@@ -325,8 +329,6 @@ static void qgemv(const QW& w, int64_t n0, int64_t n1, char* xq, int64_t qstride
         case 8: group_rows<4, false>(w, g, xr, act, res); break;
         default: group_rows<4, true>(w, g, xr, act, res); break;
       }
-      const int64_t lo = std::max(n0, g * kGroup) - g * kGroup, hi = std::min(n1, (g + 1) * kGroup) - g * kGroup;
-      const __mmask16 mk = (__mmask16)(((1u << (hi - lo)) - 1) << lo);
       for (int r = 0; r < mb; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + g * kGroup, mk, res[r]);
     }
   }
