@@ -535,6 +535,8 @@ struct Model {
   // batch invariance: a row's attention arithmetic depends only on its own context length (PyTorch's flash
   // attention, which the default path mirrors, switches exp variants at the padded batch's length)
   bool invariant = false;
+  // bf16 models: attention's products through vdpbf16ps (see attend_nv; the same bits as the FMA path)
+  bool attn_dot = false;
   std::vector<std::vector<int64_t>> tree_;  // forward()'s draft-tree rows per sequence (see attend)
   // Gemma 3 (set_gemma): every norm is x / rms(x) * (1 + w) with the float32 (1 + w) passed in (one rounding, as
   // transformers' Gemma3RMSNorm); post-norms on the attention and feed-forward outputs before their residual
@@ -1021,11 +1023,34 @@ struct Model {
       a = std::max(h0, gg * rep) - h0;
       b = std::min(h0 + nh, (gg + 1) * rep) - h0;
     };
-    if ((int64_t)S.size() < R * ldS + (kTile + 1) * D) S.resize(R * ldS + (kTile + 1) * D);
+    if ((int64_t)S.size() < R * ldS + (kTile + 1) * D + R * D / 2) S.resize(R * ldS + (kTile + 1) * D + R * D / 2);
     if ((int64_t)O.size() < R * (D + 2)) O.resize(R * (D + 2));
     float* tile = S.data() + R * ldS;  // 16 keys or values as float32 (bf16 caches), then a zero row
     float* zero = tile + kTile * D;
     std::fill(zero, zero + D, 0.f);
+#ifdef __AVX512BF16__
+    // bf16 dot products: with bf16-exact q, keys, values and exponentials every product is exact in float32, and
+    // vdpbf16ps adds a lane's odd element pair, then its even one, each sum rounded to nearest: the two roundings
+    // of two FMAs. q and the keys are permuted so that lane l's odd / even elements are dims 32c + l / 32c + 16 + l
+    // (the FMA path's chain order over its vectors 2c, 2c + 1), value pairs so that they are keys k / k + 1. So
+    // the bits are the FMA path's (vdpbf16ps flushes denormals, which these values do not reach), with half the
+    // multiply instructions and no float32 copy of the keys and values.
+    constexpr bool kPairs = kBf && NV > 0 && NV % 2 == 0;
+    const bool pairs = kPairs && attn_dot;
+    // lanes 2l / 2l + 1 <- elements 16 + l / l of a 32-element vector
+    const __m512i perm = _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24, 7, 23, 6, 22,
+                                          5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
+    uint16_t* qb = reinterpret_cast<uint16_t*>(zero + D);  // the item's q rows, bf16, permuted: [R][D]
+    uint16_t* bt16 = reinterpret_cast<uint16_t*>(tile);    // 16 keys, or 8 value pairs, permuted
+    if (pairs)
+      for (int64_t r = 0; r < R; r++) {
+        const float* qi = q + (t0 + r / nh) * ldq + (h0 + r % nh) * D;
+        for (int64_t c = 0; c < D / 32; c++) {
+          const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + 32 * c + 16), _mm512_loadu_ps(qi + 32 * c));
+          _mm512_storeu_si512(qb + r * D + 32 * c, _mm512_permutexvar_epi16(perm, b));
+        }
+      }
+#endif
     float* mx = O.data() + R * D;  // running max and sum per item row
     float* sum = mx + R;
     const __m512 scv = _mm512_set1_ps(float(scale));
@@ -1054,6 +1079,14 @@ struct Model {
     std::fill(sum, sum + R, 0.f);
     std::fill(O.begin(), O.begin() + R * D, 0.f);
     auto kv_at = [&](const WT* c, int64_t i, int64_t j, int64_t gg) { return c + (slot(i, j) * Hkv + gg) * D; };
+    constexpr int64_t kPrefetchTiles = 4;
+    const int64_t row_bytes = (g1 - g0) * D * int64_t(sizeof(WT));  // the item's kv groups of one cache row
+    auto prefetch_rows = [&](const WT* c, int64_t ja, int64_t jz) {  // keys ja .. jz - 1 shared by all rows
+      for (int64_t j = ja; j < jz; j++) {
+        const char* p = reinterpret_cast<const char*>(kv_at(c, 0, j, g0));
+        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+      }
+    };
     // keys (or values) j0 .. j0 + nk - 1, shared by all rows, as float32 rows; zeros past nk
     const float* rows[kTile];
     auto gather = [&](const WT* c, int64_t j0, int64_t nk, int64_t gg) {
@@ -1087,9 +1120,43 @@ struct Model {
       // bits of _mm512_reduce_add_ps per key)
       for (int64_t j0 = jb; j0 < je; j0 += kTile) {
         const int64_t nk = std::min(kTile, je - j0);
+        // into L2 ahead of use: the keys kPrefetchTiles tiles on, this tile's values (read after the block's
+        // softmax). The cache rows of a paged block are scattered across memory, so the hardware prefetchers lag:
+        // without this, decode attention ran at a third of the memory bandwidth
+        prefetch_rows(kc, j0 + kPrefetchTiles * kTile, std::min(j0 + (kPrefetchTiles + 1) * kTile, je));
+        prefetch_rows(vc, j0, j0 + nk);
         for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
-          gather(kc, j0, nk, gg);
           heads_of(gg, ha, hb);
+#ifdef __AVX512BF16__
+          if constexpr (kPairs) {
+            if (pairs) {
+              for (int64_t k = 0; k < kTile; k++) {
+                const WT* p = k < nk ? kv_at(kc, 0, j0 + k, gg) : reinterpret_cast<const WT*>(zero);
+                for (int64_t c = 0; c < NV / 2; c++)
+                  _mm512_storeu_si512(bt16 + k * D + 32 * c,
+                                      _mm512_permutexvar_epi16(perm, _mm512_loadu_si512((const void*)(p + 32 * c))));
+              }
+              for (int64_t i = 0; i < nq; i++) {
+                if (j0 >= lim[i] || j0 + nk <= lo[i]) continue;
+                for (int64_t hh = ha; hh < hb; hh++) {
+                  const uint16_t* qr = qb + (i * nh + hh) * D;
+                  __m512bh qv[kPairs ? NV / 2 : 1];
+                  for (int c = 0; c < NV / 2; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void*)(qr + 32 * c));
+                  __m512 acc[kTile];
+                  for (int64_t k = 0; k < kTile; k++) {
+                    acc[k] = _mm512_setzero_ps();
+                    for (int c = 0; c < NV / 2; c++)
+                      acc[k] = _mm512_dpbf16_ps(acc[k], qv[c],
+                                                (__m512bh)_mm512_loadu_si512((const void*)(bt16 + k * D + 32 * c)));
+                  }
+                  _mm512_storeu_ps(S.data() + (i * nh + hh) * ldS + j0 - n0, _mm512_mul_ps(reduce16(acc), scv));
+                }
+              }
+              continue;
+            }
+          }
+#endif
+          gather(kc, j0, nk, gg);
           for (int64_t i = 0; i < nq; i++) {
             if (j0 >= lim[i] || j0 + nk <= lo[i]) continue;
             for (int64_t hh = ha; hh < hb; hh++) {
@@ -1167,8 +1234,48 @@ struct Model {
       for (int64_t j0 = jb; j0 < je; j0 += kTile) {
         const int64_t nk = std::min(kTile, je - j0);
         for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
-          gather(vc, j0, nk, gg);
           heads_of(gg, ha, hb);
+#ifdef __AVX512BF16__
+          if constexpr (kPairs) {
+            if (pairs) {
+              for (int64_t m = 0; m < kTile / 2; m++) {  // [v(k) | v(k + 1)] per 16 dims, permuted
+                const WT* pa = 2 * m < nk ? kv_at(vc, 0, j0 + 2 * m, gg) : reinterpret_cast<const WT*>(zero);
+                const WT* pb = 2 * m + 1 < nk ? kv_at(vc, 0, j0 + 2 * m + 1, gg) : reinterpret_cast<const WT*>(zero);
+                for (int64_t v = 0; v < NV; v++) {
+                  const __m512i ab = _mm512_inserti64x4(
+                      _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(pa + 16 * v))),
+                      _mm256_loadu_si256((const __m256i*)(pb + 16 * v)), 1);
+                  _mm512_storeu_si512(bt16 + (m * NV + v) * 32, _mm512_permutexvar_epi16(perm, ab));
+                }
+              }
+              for (int64_t i = 0; i < nq; i++) {
+                const int64_t ka = std::max(j0, lo[i]) - j0, kb = std::min(j0 + nk, lim[i]) - j0;
+                if (ka >= kb) continue;
+                for (int64_t hh = ha; hh < hb; hh++) {
+                  const int64_t r = i * nh + hh;
+                  const float* sr = S.data() + r * ldS + j0 - n0;
+                  float* o = O.data() + r * D;
+                  // the exponentials as bf16 pairs (p(k) in the odd half, p(k + 1) in the even one); a key outside
+                  // [ka, kb) gets p = 0: a zero product leaves a sum unchanged (o is never -0)
+                  const __mmask16 mk = (__mmask16)(((1u << kb) - 1) & ~((1u << ka) - 1));
+                  alignas(32) uint32_t pp[kTile / 2];
+                  _mm256_store_si256((__m256i*)pp, _mm256_rol_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, sr)), 16));
+                  __m512 ov[kReg];
+                  for (int v = 0; v < NV; v++) ov[v] = _mm512_loadu_ps(o + v * 16);
+                  for (int64_t m = ka / 2; 2 * m < kb; m++) {
+                    const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(pp[m]));
+                    for (int v = 0; v < NV; v++)
+                      ov[v] = _mm512_dpbf16_ps(
+                          ov[v], (__m512bh)_mm512_loadu_si512((const void*)(bt16 + (m * NV + v) * 32)), pv);
+                  }
+                  for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + v * 16, ov[v]);
+                }
+              }
+              continue;
+            }
+          }
+#endif
+          gather(vc, j0, nk, gg);
           for (int64_t i = 0; i < nq; i++) {
             const int64_t ka = std::max(j0, lo[i]) - j0, kb = std::min(j0 + nk, lim[i]) - j0;
             if (ka >= kb) continue;
@@ -2146,6 +2253,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("qlinear", &lowlat::Model::qlinear, pybind11::call_guard<pybind11::gil_scoped_release>(),
            pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("n"), pybind11::arg("out_float") = false)
       .def_readwrite("invariant", &lowlat::Model::invariant)
+      .def_readwrite("attn_dot", &lowlat::Model::attn_dot)
       .def_readwrite("profile", &lowlat::Model::profile)
       .def_readwrite("prof", &lowlat::Model::prof)
       .def_readwrite("prof_calls", &lowlat::Model::prof_calls)
