@@ -1079,14 +1079,6 @@ struct Model {
     std::fill(sum, sum + R, 0.f);
     std::fill(O.begin(), O.begin() + R * D, 0.f);
     auto kv_at = [&](const WT* c, int64_t i, int64_t j, int64_t gg) { return c + (slot(i, j) * Hkv + gg) * D; };
-    constexpr int64_t kPrefetchTiles = 4;
-    const int64_t row_bytes = (g1 - g0) * D * int64_t(sizeof(WT));  // the item's kv groups of one cache row
-    auto prefetch_rows = [&](const WT* c, int64_t ja, int64_t jz) {  // keys ja .. jz - 1 shared by all rows
-      for (int64_t j = ja; j < jz; j++) {
-        const char* p = reinterpret_cast<const char*>(kv_at(c, 0, j, g0));
-        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
-      }
-    };
     // keys (or values) j0 .. j0 + nk - 1, shared by all rows, as float32 rows; zeros past nk
     const float* rows[kTile];
     auto gather = [&](const WT* c, int64_t j0, int64_t nk, int64_t gg) {
@@ -1120,11 +1112,6 @@ struct Model {
       // bits of _mm512_reduce_add_ps per key)
       for (int64_t j0 = jb; j0 < je; j0 += kTile) {
         const int64_t nk = std::min(kTile, je - j0);
-        // into L2 ahead of use: the keys kPrefetchTiles tiles on, this tile's values (read after the block's
-        // softmax). The cache rows of a paged block are scattered across memory, so the hardware prefetchers lag:
-        // without this, decode attention ran at a third of the memory bandwidth
-        prefetch_rows(kc, j0 + kPrefetchTiles * kTile, std::min(j0 + (kPrefetchTiles + 1) * kTile, je));
-        prefetch_rows(vc, j0, j0 + nk);
         for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
           heads_of(gg, ha, hb);
 #ifdef __AVX512BF16__
