@@ -447,7 +447,8 @@ class LowLatPlugin(Plugin):
                   for m in (a.qkv_proj, a.o_proj, getattr(lyr.mlp, "gate_up_proj", None), getattr(lyr.mlp, "down_proj", None))]
             kernel.set_quant([*ws, packed(model.embed_tokens)], self.ACT_MODES.index(self.act))
         kernel.invariant = self.invariant is not False
-        kernel.attn_dot = self.isa == "auto" and self._load_extension().have_avx512_bf16  # its FMAs' bits, fewer instructions
+        # attention through vdpbf16ps: the FMA path's bits with fewer instructions
+        kernel.attn_dot = self.isa == "auto" and self._load_extension().have_avx512_bf16
         return kernel
 
     def _kernel_for(self, model):

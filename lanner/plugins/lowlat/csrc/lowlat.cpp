@@ -1051,7 +1051,8 @@ struct Model {
       for (int64_t r = 0; r < R; r++) {
         const float* qi = q + (t0 + r / nh) * ldq + (h0 + r % nh) * D;
         for (int64_t c = 0; c < D / 32; c++) {
-          const __m512i b = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + 32 * c + 16), _mm512_loadu_ps(qi + 32 * c));
+          const __m512i b =
+              (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + 32 * c + 16), _mm512_loadu_ps(qi + 32 * c));
           _mm512_storeu_si512(qb + r * D + 32 * c, _mm512_permutexvar_epi16(perm, b));
         }
       }
@@ -1127,8 +1128,9 @@ struct Model {
                   for (int64_t g = g0; g < g1; g++) {
                     const WT* p = k < nk ? kv_at(kc, 0, j0 + k, g) : reinterpret_cast<const WT*>(zero);
                     for (int64_t c = 0; c < NV / 2; c++)
-                      _mm512_storeu_si512(bt16 + ((g - g0) * kTile + k) * D + 32 * c,
-                                          _mm512_permutexvar_epi16(perm, _mm512_loadu_si512((const void*)(p + 32 * c))));
+                      _mm512_storeu_si512(
+                          bt16 + ((g - g0) * kTile + k) * D + 32 * c,
+                          _mm512_permutexvar_epi16(perm, _mm512_loadu_si512((const void*)(p + 32 * c))));
                   }
               const uint16_t* kt = bt16 + (gg - g0) * kTile * D;
               for (int64_t i = 0; i < nq; i++) {
@@ -1258,7 +1260,8 @@ struct Model {
                   // [ka, kb) gets p = 0: a zero product leaves a sum unchanged (o is never -0)
                   const __mmask16 mk = (__mmask16)(((1u << kb) - 1) & ~((1u << ka) - 1));
                   alignas(32) uint32_t pp[kTile / 2];
-                  _mm256_store_si256((__m256i*)pp, _mm256_rol_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, sr)), 16));
+                  const __m256i pb16 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, sr));
+                  _mm256_store_si256((__m256i*)pp, _mm256_rol_epi32(pb16, 16));
                   __m512 ov[kReg];
                   for (int v = 0; v < NV; v++) ov[v] = _mm512_loadu_ps(o + v * 16);
                   for (int64_t m = ka / 2; 2 * m < kb; m++) {
