@@ -1102,6 +1102,32 @@ struct Model {
         rows[k] = tile + ((gg - g0) * kTile + k) * D;
       }
     };
+#ifdef __AVX512BF16__
+    // the keys j0 .. j0 + nk - 1 of all the item's groups (zeros past nk), permuted
+    auto fill_keys = [&](int64_t j0, int64_t nk) {
+      for (int64_t k = 0; k < kTile; k++)
+        for (int64_t g = g0; g < g1; g++) {
+          const WT* p = k < nk ? kv_at(kc, 0, j0 + k, g) : reinterpret_cast<const WT*>(zero);
+          for (int64_t c = 0; c < NV / 2; c++)
+            _mm512_storeu_si512(bt16 + ((g - g0) * kTile + k) * D + 32 * c,
+                                _mm512_permutexvar_epi16(perm, _mm512_loadu_si512((const void*)(p + 32 * c))));
+        }
+    };
+    // the values as 8 pairs [v(k) | v(k + 1)] per 16 dims, permuted
+    auto fill_value_pairs = [&](int64_t j0, int64_t nk) {
+      for (int64_t m = 0; m < kTile / 2; m++)
+        for (int64_t g = g0; g < g1; g++) {
+          const WT* pa = 2 * m < nk ? kv_at(vc, 0, j0 + 2 * m, g) : reinterpret_cast<const WT*>(zero);
+          const WT* pb = 2 * m + 1 < nk ? kv_at(vc, 0, j0 + 2 * m + 1, g) : reinterpret_cast<const WT*>(zero);
+          for (int64_t v = 0; v < NV; v++) {
+            const __m512i ab =
+                _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(pa + 16 * v))),
+                                   _mm256_loadu_si256((const __m256i*)(pb + 16 * v)), 1);
+            _mm512_storeu_si512(bt16 + (g - g0) * kTile * D + (m * NV + v) * 32, _mm512_permutexvar_epi16(perm, ab));
+          }
+        }
+    };
+#endif
     // one (row, head)'s score for one key: the 16-wide FMA chain, then the horizontal sum
     auto dot = [&](const float* qi, const WT* kp) {
       __m512 acc = _mm512_setzero_ps();
@@ -1121,45 +1147,29 @@ struct Model {
         for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
           heads_of(gg, ha, hb);
 #ifdef __AVX512BF16__
-          if constexpr (kPairs) {
-            if (pairs) {
-              if (gg == g0)
-                for (int64_t k = 0; k < kTile; k++)
-                  for (int64_t g = g0; g < g1; g++) {
-                    const WT* p = k < nk ? kv_at(kc, 0, j0 + k, g) : reinterpret_cast<const WT*>(zero);
-                    for (int64_t c = 0; c < NV / 2; c++)
-                      _mm512_storeu_si512(
-                          bt16 + ((g - g0) * kTile + k) * D + 32 * c,
-                          _mm512_permutexvar_epi16(perm, _mm512_loadu_si512((const void*)(p + 32 * c))));
-                  }
-              const uint16_t* kt = bt16 + (gg - g0) * kTile * D;
-              for (int64_t i = 0; i < nq; i++) {
-                if (j0 >= lim[i] || j0 + nk <= lo[i]) continue;
-                for (int64_t hh = ha; hh < hb; hh++) {
-                  const uint16_t* qr = qb + (i * nh + hh) * D;
-                  __m512bh qv[kPairs ? NV / 2 : 1];
-                  for (int c = 0; c < NV / 2; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void*)(qr + 32 * c));
-                  __m512 acc[kTile];
-                  for (int64_t k = 0; k < kTile; k++) {
-                    acc[k] = _mm512_setzero_ps();
-                    for (int c = 0; c < NV / 2; c++)
-                      acc[k] = _mm512_dpbf16_ps(acc[k], qv[c],
-                                                (__m512bh)_mm512_loadu_si512((const void*)(kt + k * D + 32 * c)));
-                  }
-                  _mm512_storeu_ps(S.data() + (i * nh + hh) * ldS + j0 - n0, _mm512_mul_ps(reduce16(acc), scv));
-                }
-              }
-              continue;
-            }
-          }
+          if (pairs) {
+            if (gg == g0) fill_keys(j0, nk);
+          } else
 #endif
-          gather(kc, j0, nk, gg);
+            gather(kc, j0, nk, gg);
           for (int64_t i = 0; i < nq; i++) {
             if (j0 >= lim[i] || j0 + nk <= lo[i]) continue;
             for (int64_t hh = ha; hh < hb; hh++) {
               const float* qi = q + (t0 + i) * ldq + (h0 + hh) * D;
               __m512 acc[kTile];
               for (int64_t k = 0; k < kTile; k++) acc[k] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+              if (pairs) {
+                const uint16_t* qr = qb + (i * nh + hh) * D;
+                const uint16_t* kt = bt16 + (gg - g0) * kTile * D;
+                __m512bh qv[kPairs ? NV / 2 : 1];
+                for (int c = 0; c < NV / 2; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void*)(qr + 32 * c));
+                for (int64_t k = 0; k < kTile; k++)
+                  for (int c = 0; c < NV / 2; c++)
+                    acc[k] = _mm512_dpbf16_ps(acc[k], qv[c],
+                                              (__m512bh)_mm512_loadu_si512((const void*)(kt + k * D + 32 * c)));
+              } else
+#endif
               if constexpr (NV > 0) {
                 __m512 qv[kReg];
                 for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(qi + v * 16);
@@ -1233,51 +1243,11 @@ struct Model {
         for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
           heads_of(gg, ha, hb);
 #ifdef __AVX512BF16__
-          if constexpr (kPairs) {
-            if (pairs) {
-              if (gg == g0)
-                for (int64_t m = 0; m < kTile / 2; m++)  // [v(k) | v(k + 1)] per 16 dims, permuted
-                  for (int64_t g = g0; g < g1; g++) {
-                    const WT* pa = 2 * m < nk ? kv_at(vc, 0, j0 + 2 * m, g) : reinterpret_cast<const WT*>(zero);
-                    const WT* pb = 2 * m + 1 < nk ? kv_at(vc, 0, j0 + 2 * m + 1, g) : reinterpret_cast<const WT*>(zero);
-                    for (int64_t v = 0; v < NV; v++) {
-                      const __m512i ab = _mm512_inserti64x4(
-                          _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(pa + 16 * v))),
-                          _mm256_loadu_si256((const __m256i*)(pb + 16 * v)), 1);
-                      _mm512_storeu_si512(bt16 + (g - g0) * kTile * D + (m * NV + v) * 32,
-                                          _mm512_permutexvar_epi16(perm, ab));
-                    }
-                  }
-              const uint16_t* vt = bt16 + (gg - g0) * kTile * D;
-              for (int64_t i = 0; i < nq; i++) {
-                const int64_t ka = std::max(j0, lo[i]) - j0, kb = std::min(j0 + nk, lim[i]) - j0;
-                if (ka >= kb) continue;
-                for (int64_t hh = ha; hh < hb; hh++) {
-                  const int64_t r = i * nh + hh;
-                  const float* sr = S.data() + r * ldS + j0 - n0;
-                  float* o = O.data() + r * D;
-                  // the exponentials as bf16 pairs (p(k) in the odd half, p(k + 1) in the even one); a key outside
-                  // [ka, kb) gets p = 0: a zero product leaves a sum unchanged (o is never -0)
-                  const __mmask16 mk = (__mmask16)(((1u << kb) - 1) & ~((1u << ka) - 1));
-                  alignas(32) uint32_t pp[kTile / 2];
-                  const __m256i pb16 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, sr));
-                  _mm256_store_si256((__m256i*)pp, _mm256_rol_epi32(pb16, 16));
-                  __m512 ov[kReg];
-                  for (int v = 0; v < NV; v++) ov[v] = _mm512_loadu_ps(o + v * 16);
-                  for (int64_t m = ka / 2; 2 * m < kb; m++) {
-                    const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(pp[m]));
-                    for (int v = 0; v < NV; v++)
-                      ov[v] = _mm512_dpbf16_ps(
-                          ov[v], (__m512bh)_mm512_loadu_si512((const void*)(vt + (m * NV + v) * 32)), pv);
-                  }
-                  for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + v * 16, ov[v]);
-                }
-              }
-              continue;
-            }
-          }
+          if (pairs) {
+            if (gg == g0) fill_value_pairs(j0, nk);
+          } else
 #endif
-          gather(vc, j0, nk, gg);
+            gather(vc, j0, nk, gg);
           for (int64_t i = 0; i < nq; i++) {
             const int64_t ka = std::max(j0, lo[i]) - j0, kb = std::min(j0 + nk, lim[i]) - j0;
             if (ka >= kb) continue;
@@ -1285,6 +1255,26 @@ struct Model {
               const int64_t r = i * nh + hh;
               const float* sr = S.data() + r * ldS + j0 - n0;
               float* o = O.data() + r * D;
+#ifdef __AVX512BF16__
+              if (pairs) {
+                // the exponentials as bf16 pairs (p(k) in the odd half, p(k + 1) in the even one); a key outside
+                // [ka, kb) gets p = 0: a zero product leaves a sum unchanged (o is never -0)
+                const uint16_t* vt = bt16 + (gg - g0) * kTile * D;
+                const __mmask16 mk = (__mmask16)(((1u << kb) - 1) & ~((1u << ka) - 1));
+                alignas(32) uint32_t pp[kTile / 2];
+                const __m256i pb16 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, sr));
+                _mm256_store_si256((__m256i*)pp, _mm256_rol_epi32(pb16, 16));
+                __m512 ov[kReg];
+                for (int v = 0; v < NV; v++) ov[v] = _mm512_loadu_ps(o + v * 16);
+                for (int64_t m = ka / 2; 2 * m < kb; m++) {
+                  const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(pp[m]));
+                  for (int v = 0; v < NV; v++)
+                    ov[v] = _mm512_dpbf16_ps(ov[v], (__m512bh)_mm512_loadu_si512((const void*)(vt + (m * NV + v) * 32)),
+                                             pv);
+                }
+                for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + v * 16, ov[v]);
+              } else
+#endif
               if constexpr (NV > 0) {
                 __m512 ov[kReg];
                 for (int v = 0; v < NV; v++) ov[v] = _mm512_loadu_ps(o + v * 16);
