@@ -326,6 +326,40 @@ def test_thread_count_does_not_change_bits(head_dim):
     assert all(torch.equal(a, b) for a, b in zip(s1, s2)) and torch.equal(kv1, kv2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_argmax_is_torchs_argmax(dtype):
+    """Greedy steps' LM head returns the argmax, not the logits (compute_argmax): the first index of the largest
+    model-dtype value, as torch's argmax of compute_logits, on 1 and 2 threads (whose column slices meet at row
+    64): exact ties inside and across the slices, float32 values that round to one bf16 value (where the float32
+    argmax differs), random rows, and (float32) a NaN, which torch counts as the largest."""
+    model = tiny_model().to(dtype)
+    w = model.lm_head.weight.data
+    w[:, 2:7] = 0
+    h = torch.zeros(5, 64, dtype=dtype)
+    h[0, 2], w[5, 2], w[30, 2], w[70, 2], w[80, 2] = 1, 1000, 1000, 1000, 1000  # ties across the slices -> 5
+    h[1, 3], w[70, 3], w[100, 3] = 1, 1000, 1000  # ties in the second slice -> 70
+    h[2, 4], w[10, 4], w[80, 4] = 1, -1000, 1  # one largest
+    h[3, 7:] = torch.randn(57)
+    h[4, 5], h[4, 6], w[20, 5], w[20, 6], w[90, 5], w[90, 6] = 1, 1, 4096, 1, 4096, 8  # 4097 < 4104
+    exact = F.linear(h.double(), w.double())
+    want = [5, 70, 80, int(exact[3].argmax()), 20 if dtype == torch.bfloat16 else 90]  # bf16: both are 4096
+    plugins = []
+    for threads in (1, 2):
+        plugin = LowLatPlugin(threads=threads)
+        hw = Hardware.detect("cpu", dtype)
+        plugin.check(model.cfg, hw)
+        plugin.build(model, model.cfg, hw)
+        plugins.append(plugin)
+    step = Step(StepKind.VERIFY, 5, 1)
+    for plugin in plugins:
+        got = plugin.compute_argmax(step, model, h)
+        assert got.tolist() == want and torch.equal(got, plugin.compute_logits(step, model, h).argmax(-1))
+    if dtype == torch.float32:
+        w[90, 5] = float("nan")  # every row's logit 90 (NaN * 0 is NaN)
+        for plugin in plugins:
+            assert plugin.compute_argmax(step, model, h).tolist() == [90] * 5
+
+
 def test_check_names_the_mismatch():
     cfg = ModelConfig(architecture="llama", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16)

@@ -129,6 +129,8 @@ def test_k_quant_kernels(plugins, name):
         got = plugins[act]._kernel.qlinear(x, packed, n, True).double()
         err = ((got - want).abs().max() / want.abs().max()).item()
         assert err <= tol, (act, err)
+        greedy = plugins[act]._kernel.qlinear(x, packed, n, False, True)  # the LM head's fused argmax
+        assert torch.equal(greedy, plugins[act]._kernel.qlinear(x, packed, n).argmax(-1)), act
 
 
 def _step(model, plug, kv, rows):
@@ -299,7 +301,9 @@ def test_avx2_build_is_bit_identical(models, plugins):
             q = quant.repack(_random_k_blocks(name, 40, 512, 2), name, 512)
             packed = quant.interleave(q["qs"], q["d"], q.get("m"))
             x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
-            assert torch.equal(p._kernel.qlinear(x, packed, 40, True), plugins[act]._kernel.qlinear(x, packed, 40, True))
+            for argmax in (False, True):
+                assert torch.equal(p._kernel.qlinear(x, packed, 40, True, argmax),
+                                   plugins[act]._kernel.qlinear(x, packed, 40, True, argmax))
 
 
 def test_auto_weights_and_dtype(tmp_path):

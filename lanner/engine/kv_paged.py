@@ -81,15 +81,16 @@ class PagedKV:
             lo, hi = (mid, hi) if fits else (lo, mid - 1)
         return lo
 
-    def run(self, items: list[ScheduledItem], kind: StepKind) -> torch.Tensor:
+    def run(self, items: list[ScheduledItem], kind: StepKind, argmax: bool = False) -> torch.Tensor:
         """One forward over the scheduled tokens and drafts -> float32 logits: every row of a drafted item, the
-        last of one that samples, none of a prefill chunk that does not reach its end."""
+        last of one that samples, none of a prefill chunk that does not reach its end (argmax: a greedy step's,
+        the runner's argmax rows; under TP the logits, whose head is a collective every rank runs alike)."""
         chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
                            it.request.block_table, "all" if it.draft else "last" if it.samples else "none",
                            it.draft_parents if it.draft else None, it.request.group_tables)
                   for it in items]
         if self.tp is None:
-            return self.runner.run(chunks, kind)
+            return self.runner.run(chunks, kind, argmax)
         return self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind))
 
     def keep_path(self, req: Request, first: int, path: list[int]):

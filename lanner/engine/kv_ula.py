@@ -155,9 +155,9 @@ class UlaKV:
         if h is not None:
             self._on_ranks("ula.close", h, [], lambda: self.decoder.close(h))
 
-    def run(self, items: list[ScheduledItem], kind=None) -> torch.Tensor:
+    def run(self, items: list[ScheduledItem], kind=None, argmax: bool = False) -> torch.Tensor:
         """The decode step over the running requests, then the new request's prefill -> float32 logits: a row per
-        item, and per draft token of a verifying one."""
+        item, and per draft token of a verifying one (always logits: `argmax` is the paged cache's shortcut)."""
         decoding = [it for it in items if it.num_tokens == 1 and it.start > 0]
         logits, feats = [], []
         if decoding:

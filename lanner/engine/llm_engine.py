@@ -306,7 +306,7 @@ class LLMEngine:
                 kind = StepKind.PREFILL if any(it.num_tokens > 1 for it in items) else \
                     StepKind.VERIFY if drafted else StepKind.DECODE
                 t_forward = time.perf_counter()
-                logits = self.kv.run(items, kind)
+                logits = self.kv.run(items, kind, self._argmax_only(items))
                 emitted = self._verify_and_sample(items, logits)
                 if kind != StepKind.PREFILL:  # forward + verify: the tokens are on the host now
                     self.spec.after_step(time.perf_counter() - t_forward, sum(1 + len(it.draft) for it in items))
@@ -337,8 +337,22 @@ class LLMEngine:
                 it.request.first_scheduled_time = now
         return items
 
+    @staticmethod
+    def _argmax_only(items: list[ScheduledItem]) -> bool:
+        """Whether the step's logits rows matter only through their argmax: every item that samples or verifies
+        decodes greedily, with nothing that reads or changes its logits (logprobs, penalties, a logit bias, a
+        grammar). Such a step gets its tokens from the LM head's kernel without the logits (runner.run)."""
+        for it in items:
+            if not (it.samples or it.draft):
+                continue
+            p, req = it.request.params, it.request
+            if not p.greedy or p.logprobs is not None or p.has_penalties or p.logit_bias or req.grammar is not None:
+                return False
+        return True
+
     def _verify_and_sample(self, items: list[ScheduledItem], logits: torch.Tensor) -> dict:
-        """-> id(item) -> the tokens a drafted item emits; id(request) -> (token, logprobs) for one that samples."""
+        """-> id(item) -> the tokens a drafted item emits; id(request) -> (token, logprobs) for one that samples.
+        logits: [rows, vocab], or a greedy step's argmax rows ([rows] token ids)."""
         emitted, plain_rows, plain_reqs, row = {}, [], [], 0
         for it in items:
             if it.draft:
@@ -349,7 +363,10 @@ class LLMEngine:
                 plain_rows.append(row)
                 plain_reqs.append(it.request)
                 row += 1
-        if plain_reqs:
+        if plain_reqs and logits.dim() == 1:
+            for r, tok in zip(plain_reqs, logits[plain_rows].tolist()):
+                emitted[id(r)] = (tok, None)
+        elif plain_reqs:
             result = sample(logits[plain_rows], plain_reqs)
             for r, tok, lp in zip(plain_reqs, result.token_ids, result.logprobs):
                 emitted[id(r)] = (tok, lp)

@@ -125,9 +125,10 @@ class ModelRunner:
         return elems * torch.finfo(dtype).bits // 8
 
     @torch.inference_mode()
-    def run(self, chunks: list[SeqChunk], kind: StepKind | None = None) -> torch.Tensor:
-        """Returns float32 logits for the requested rows, in chunk order ([rows, vocab]). `kind` tells plugins
-        what step this is (default: PREFILL if any chunk has several tokens, else DECODE)."""
+    def run(self, chunks: list[SeqChunk], kind: StepKind | None = None, argmax: bool = False) -> torch.Tensor:
+        """Returns float32 logits for the requested rows, in chunk order ([rows, vocab]); with argmax only their
+        argmax (int64 [rows], first index on ties: a greedy step's tokens). `kind` tells plugins what step this is
+        (default: PREFILL if any chunk has several tokens, else DECODE)."""
         ids, pos, q_lens, ctx_lens, rows = [], [], [], [], []
         t = 0
         for c in chunks:
@@ -166,8 +167,11 @@ class ModelRunner:
             hidden, captured = self.plugins.forward(step, self.model, *args)
         self.features = torch.cat(captured, dim=-1) if captured else None
         if not rows:
-            return hidden.new_empty(0, 0)
+            return torch.empty(0, dtype=torch.long) if argmax else hidden.new_empty(0, 0)
         hidden = hidden[torch.tensor(rows, device=dev)]
         if step is None:
-            return self.model.compute_logits(hidden).float()
+            logits = self.model.compute_logits(hidden)
+            return logits.argmax(-1) if argmax else logits.float()
+        if argmax:
+            return self.plugins.compute_argmax(step, self.model, hidden)
         return self.plugins.compute_logits(step, self.model, hidden).float()

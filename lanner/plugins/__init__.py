@@ -190,6 +190,29 @@ class PluginRuntime:
         self._count(plugin.name, "logits")
         return out
 
+    def compute_argmax(self, step: Step, model, hidden):
+        """compute_logits(...).argmax(-1) for a greedy step: the plugin's fused compute_argmax when it has one
+        (checked against its own logits' argmax for the first --plugin-verify steps, exactly)."""
+        plugin = self.last
+        fused = None if plugin is None or plugin.name in self.disabled else plugin.compute_argmax
+        if fused is None:
+            return self.compute_logits(step, model, hidden).argmax(-1)
+        try:
+            out, error = fused(step, model, hidden), None
+        except Exception as e:
+            out, error = None, e
+        if self._failed_anywhere(plugin, "argmax", error):
+            return model.compute_logits(hidden).argmax(-1)
+        key = (plugin.name, "argmax")
+        if self.verified.get(key, 0) < self.verify_steps:
+            self.verified[key] = self.verified.get(key, 0) + 1
+            want = self.compute_logits(step, model, hidden).argmax(-1)
+            if not torch.equal(out, want):
+                raise PluginVerifyError(f"plugin {plugin.name} (argmax, {step.num_tokens} tokens): "
+                                        f"{out.tolist()} differs from its logits' argmax {want.tolist()}")
+        self._count(plugin.name, "argmax")
+        return out
+
     def draft_chain(self, step: Step, head, *args):
         """A draft head's whole greedy chain in one plugin call (no Python between draft steps), from the first
         active plugin that covers the step and has a `draft_chain(head, *args)` method; None when none does (or

@@ -127,3 +127,6 @@ class Plugin:
     # Optional: the logits head (a large share of the bytes a small model reads per step). Called with the rows
     # that sample, for steps whose forward this plugin ran; return model.compute_logits(hidden)'s result.
     compute_logits = None
+    # Optional, with compute_logits: greedy steps' heads, the argmax of those logits (int64 [rows], the first index
+    # on ties, as torch's argmax), for a plugin that finds it without handing the logits out.
+    compute_argmax = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lanner.distributed import tp_disabled
-from lanner.spec.verify import verify_chain, verify_tree
+from lanner.spec.verify import argmax_rows, verify_chain, verify_tree
 from lanner.structured import apply_bitmask, propose_drafts
 
 
@@ -103,12 +103,13 @@ class SpecDecoder:
 
     @staticmethod
     def verify(it, logits: torch.Tensor) -> list[int]:
-        """A drafted item's k + 1 logits rows -> the tokens it emits: the accepted drafts and one more (it.path:
+        """A drafted item's k + 1 logits rows (a greedy step: their argmax) -> the tokens it emits: the accepted
+        drafts and one more (it.path:
         the accepted draft nodes)."""
         req = it.request
         if req.params.unverified_draft:  # accept all; the target adds one token
             it.path = list(range(len(it.draft)))
-            return it.draft + [int(logits[-1].argmax())]
+            return it.draft + [argmax_rows(logits)[-1]]
         if it.draft_parents is not None:
             tokens, it.path = verify_tree(logits, it.draft, it.draft_parents, req.params, req.generator)
             return tokens

@@ -12,12 +12,19 @@ import torch
 from lanner.engine.sampling import processed_probs, sample_from_probs
 
 
+def argmax_rows(rows: torch.Tensor) -> list[int]:
+    """Greedy verification's target tokens: the rows' argmax, or the rows themselves when the step brought only
+    their argmax (int64 [n]: the engine's greedy steps, lanner.engine.runner)."""
+    return (rows if rows.dim() == 1 else rows.argmax(-1)).tolist()
+
+
 def verify_chain(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None, params,
                  generator) -> list[int]:
-    """logits: [k+1, V] target rows for (last token, d_1..d_k). Returns the emitted tokens (1..k+1)."""
+    """logits: [k+1, V] target rows for (last token, d_1..d_k) (greedy: or their argmax). Returns the emitted
+    tokens (1..k+1)."""
     k = len(draft)
     if params.greedy:
-        target = logits.argmax(-1).tolist()
+        target = argmax_rows(logits)
         out = []
         for i in range(k):
             if draft[i] != target[i]:
@@ -63,7 +70,7 @@ def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], par
         children[parent + 1].append(i)
     out, path, row = [], [], 0
     if params.greedy:
-        target = logits.argmax(-1).tolist()
+        target = argmax_rows(logits)
         while True:
             nxt = next((c for c in children[row] if tokens[c] == target[row]), None)
             if nxt is None:

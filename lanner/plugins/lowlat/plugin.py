@@ -299,7 +299,7 @@ class LowLatPlugin(Plugin):
         from lanner.layers.rotary import apply_rotary
 
         def lin(x, layer):
-            return self._kernel.linear(x.contiguous(), layer.weight, layer.bias, False)
+            return self._kernel.linear(x.contiguous(), layer.weight, layer.bias, False, False)
 
         T, H, Hkv, D = hidden.shape[0], head.H, head.Hkv, head.D
         x = torch.cat([head.input_layernorm(token_emb), head.hidden_norm(hidden)], dim=-1)
@@ -480,27 +480,44 @@ class LowLatPlugin(Plugin):
                out_float: bool = False) -> torch.Tensor:
         """x [M, K] @ weight[N, K].T (+ bias) with lowlat's GEMV, in the model dtype (out_float: float32, not
         rounded to the model dtype)."""
-        return self._kernel.linear(x, weight, bias, out_float)
+        return self._kernel.linear(x, weight, bias, out_float, False)
 
     def compute_logits(self, step: Step, model, hidden: torch.Tensor) -> torch.Tensor:
         """model.compute_logits(hidden) through lowlat's GEMV, for the steps lowlat ran (core's logits hook). The
         LM head is the largest single weight (49152 x 576 for the default model: a fifth of the bytes a decode
         step reads), and PyTorch's bf16 GEMV streams it at under half of lowlat's rate."""
+        return self._lm_head(model, hidden, False)
+
+    def compute_argmax(self, step: Step, model, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(...).argmax(-1) (int64 [rows], first index on ties) with the argmax inside the LM head's
+        kernel call, on the logits each thread just wrote: greedy steps skip the model-dtype copy of the logits,
+        the float32 copy and torch's argmax passes (for Gemma 3's 262144-token vocabulary 1 MB per row each)."""
+        if getattr(model, "softcap", None):  # the argmax of the capped model-dtype values, ties included
+            return self._lm_head(model, hidden, False).argmax(-1)
+        return self._lm_head(model, hidden, True)
+
+    def _lm_head(self, model, hidden: torch.Tensor, argmax: bool) -> torch.Tensor:
+        def own():
+            logits = model.compute_logits(hidden)
+            return logits.argmax(-1) if argmax else logits
+
         head = model.embed_tokens if model.lm_head is None else model.lm_head
         if isinstance(head, QuantLinear):
             kernel = self._kernel_for(model)
             if kernel is None or hidden.shape[0] > self.rows:
-                return model.compute_logits(hidden)
+                return own()
             with self._lock:
-                return self._softcap(model, kernel.qlinear(hidden.contiguous(), head.packed(), head.out_features))
+                out = kernel.qlinear(hidden.contiguous(), head.packed(), head.out_features, False, argmax)
+            return out if argmax else self._softcap(model, out)
         weight = head.weight
         if hidden.shape[0] > self.rows or weight.dtype != self.hardware.dtype:
-            return model.compute_logits(hidden)
+            return own()
         if id(model) != self._target_id or self.hardware.tp_size == 1:
-            return self._softcap(model, self._kernel.linear(hidden, weight, None, False))
+            out = self._kernel.linear(hidden, weight, None, False, argmax)
+            return out if argmax else self._softcap(model, out)
         if self._segment is None:  # across hosts the gather is the process group's, like the engine's own
-            return model.compute_logits(hidden)
+            return own()
         with self._lock:
             out = self._kernel.linear_gather(hidden.contiguous(), weight)  # every rank gets the full row
         self._check_aborted(self._kernel)
-        return out
+        return out.argmax(-1) if argmax else out

@@ -120,6 +120,47 @@ static inline __m512 rbf16(__m512 x) {
   return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
 }
 
+// The first index of the largest of y[0, n) rounded to the model dtype (bf16: as torch's .to(bfloat16)), a NaN
+// counting as the largest: torch's argmax over model-dtype logits -> (value, index). A max pass, then a pass for its
+// first occurrence; both over data the caller's GEMV just wrote.
+struct ArgBest {
+  float v = -INFINITY;
+  int64_t i = -1;
+  bool beats(const ArgBest& o) const {  // this slice's best lies after o's: it wins only by a larger value
+    return i >= 0 && (o.i < 0 || (!std::isnan(o.v) && (std::isnan(v) || v > o.v)));
+  }
+};
+static ArgBest slice_argmax(const float* y, int64_t n, bool bf16) {
+  ArgBest best;
+  if (n <= 0) return best;
+  const int64_t nv = n / 16 * 16;
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  unsigned nan = 0;
+  for (int64_t i = 0; i < nv; i += 16) {
+    const __m512 v = _mm512_loadu_ps(y + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, bf16 ? rbf16(v) : v);
+  }
+  float mx = _mm512_reduce_max_ps(m);
+  for (int64_t i = nv; i < n; i++) {
+    if (std::isnan(y[i])) nan = 1;
+    mx = std::max(mx, bf16 ? rbf(y[i]) : y[i]);
+  }
+  if (nan) {  // torch: the first NaN
+    for (int64_t i = 0; i < n; i++)
+      if (std::isnan(y[i])) return {y[i], i};
+  }
+  const __m512 target = _mm512_set1_ps(mx);
+  for (int64_t i = 0; i < nv; i += 16) {
+    const __m512 v = _mm512_loadu_ps(y + i);
+    const unsigned hit = _mm512_cmp_ps_mask(bf16 ? rbf16(v) : v, target, _CMP_EQ_OQ);
+    if (hit) return {mx, i + __builtin_ctz(hit)};
+  }
+  for (int64_t i = nv; i < n; i++)
+    if ((bf16 ? rbf(y[i]) : y[i]) == mx) return {mx, i};
+  return best;
+}
+
 // exp(x) for float32 lanes: Cephes-style range reduction + degree-6 polynomial, ~1-2 ulp; 2^n by scalef
 static inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.72f)), _mm512_set1_ps(-104.0f));
@@ -1903,7 +1944,9 @@ struct Model {
   // y = x @ W.T (+ bias) for a model-dtype x [M, K] and W [N, K]: the same GEMV as the forward, on its own
   // (the ablation's "C++ GEMV in the Python forward", and a fast LM head). out_float: float32 result (no
   // rounding to the model dtype).
-  torch::Tensor linear(torch::Tensor x, torch::Tensor W, c10::optional<torch::Tensor> bias, bool out_float) const {
+  // (argmax: -> int64 [M], argmax_rows of the result)
+  torch::Tensor linear(torch::Tensor x, torch::Tensor W, c10::optional<torch::Tensor> bias, bool out_float,
+                       bool argmax) const {
     g_invariant = invariant;
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
     TORCH_CHECK(x.dim() == 2 && W.dim() == 2 && x.size(1) == W.size(0 + 1) && x.scalar_type() == wdt &&
@@ -1913,7 +1956,7 @@ struct Model {
     TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == wdt && bias->is_contiguous()),
                 "lowlat.linear: bias must be [N] in the model dtype");
     auto y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kFloat32));
-    if (M == 0 || N == 0) return out_float ? y : y.to(wdt);
+    if (M == 0 || N == 0) return argmax ? torch::zeros({M}, torch::TensorOptions().dtype(torch::kLong)) : out_float ? y : y.to(wdt);
     auto xc = x.contiguous();
     float* yp = y.data_ptr<float>();
     const int nt = nthreads;
@@ -1953,12 +1996,14 @@ struct Model {
       if (bf16) y = y.to(wdt).add(*bias);  // torch's bf16 addmm: bf16 product, then the bias add rounds again
       else y.add_(*bias);
     }
+    if (argmax) return argmax_rows(y.to(torch::kFloat32).contiguous());
     return out_float ? y.to(torch::kFloat32) : y.to(wdt);
   }
 
   // y = x @ W.T for a stored-type W ([qs, d(, m)], N rows of x's K columns), e.g. the tied Q8_0 LM head, with the
   // forward's kernels and activation mode -> [M, N] in the model dtype (out_float: float32)
-  torch::Tensor qlinear(torch::Tensor x, std::vector<torch::Tensor> w, int64_t N, bool out_float) {
+  // (argmax: -> int64 [M], argmax_rows of the result: greedy decoding's LM head without the logits)
+  torch::Tensor qlinear(torch::Tensor x, std::vector<torch::Tensor> w, int64_t N, bool out_float, bool argmax) {
     TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(0) <= max_rows, "lowlat.qlinear: x must be [M <= ",
                 max_rows, ", K] on the CPU");
     const int64_t M = x.size(0), K = x.size(1);
@@ -1981,8 +2026,37 @@ struct Model {
       prepare_rows(xp, K, int(M), K, q.nbp, xq, q8_stride, act);
       qgemv(q, a, b, xq, q8_stride, act, int(M), yp, N);
     }
+    if (argmax) y = argmax_rows(y);
     if (profile) prof[4] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return out_float ? y : y.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
+    return out_float || argmax ? y : y.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
+  }
+
+  // y [M, N] float32 logits -> int64 [M]: per row the first index of the largest value in the model dtype, as
+  // torch's argmax of y.to(model dtype). Each thread scans the columns the LM head's GEMV gave it (the same
+  // split, so still in its cache); the slices' bests then merge in column order.
+  torch::Tensor argmax_rows(const torch::Tensor& y) const {
+    const int64_t M = y.size(0), N = y.size(1);
+    const float* yp = y.data_ptr<float>();
+    std::vector<ArgBest> best(M * nthreads);
+#pragma omp parallel num_threads(nthreads)
+    {
+      const int tid = omp_get_thread_num();
+      int64_t a, b;
+      split(N, 16, tid, omp_get_num_threads(), a, b);
+      for (int64_t m = 0; m < M; m++) {
+        ArgBest r = slice_argmax(yp + m * N + a, b - a, bf16);
+        r.i += a;
+        if (b > a) best[m * nthreads + tid] = r;
+      }
+    }
+    auto out = torch::empty({M}, torch::TensorOptions().dtype(torch::kLong));
+    for (int64_t m = 0; m < M; m++) {
+      ArgBest r;
+      for (int t = 0; t < nthreads; t++)
+        if (best[m * nthreads + t].beats(r)) r = best[m * nthreads + t];
+      out.data_ptr<int64_t>()[m] = r.i;
+    }
+    return out;
   }
 
   // The LM head over a vocab-split weight under TP: every rank's x [M, hidden] @ its W shard [vocab, hidden].T,
@@ -1996,7 +2070,7 @@ struct Model {
     TORCH_CHECK(W.dim() == 2 && W.size(0) == vocab_sizes[comm.rank], "lowlat.linear_gather: W must be this rank's ",
                 vocab_sizes[comm.rank], " vocabulary rows");
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
-    auto y = linear(x, W, c10::nullopt, true);  // [M, local vocab] float32
+    auto y = linear(x, W, c10::nullopt, true, false);  // [M, local vocab] float32
     const int64_t M = y.size(0), n = y.size(1), ld = comm.gather_cols;
     auto out = torch::empty({M, vocab_total}, torch::TensorOptions().dtype(torch::kFloat32));
     float* o = out.data_ptr<float>();
@@ -2243,7 +2317,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_rope", &lowlat::Model::set_rope)
       .def_readonly("max_pos", &lowlat::Model::max_pos)
       .def("qlinear", &lowlat::Model::qlinear, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("n"), pybind11::arg("out_float") = false)
+           pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("n"), pybind11::arg("out_float") = false,
+           pybind11::arg("argmax") = false)
       .def_readwrite("invariant", &lowlat::Model::invariant)
       .def_readwrite("attn_dot", &lowlat::Model::attn_dot)
       .def_readwrite("profile", &lowlat::Model::profile)
@@ -2261,7 +2336,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("tp_wait_stats", &lowlat::Model::tp_wait_stats)
       .def("linear_gather", &lowlat::Model::linear_gather, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("linear", &lowlat::Model::linear, pybind11::arg("x"), pybind11::arg("weight"),
-           pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float") = false)
+           pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float") = false,
+           pybind11::arg("argmax") = false)
       .def_readonly("scratch", &lowlat::Model::scratch)
       .def_readwrite("dbg_layer", &lowlat::Model::dbg_layer)
       .def_readwrite("dbg", &lowlat::Model::dbg)

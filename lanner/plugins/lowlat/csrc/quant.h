@@ -201,30 +201,38 @@ static inline void group_int(const QW& w, int64_t g, const ARow* xr, __m512* out
   for (int r = 0; r < MB; r++) acc[r] = accm[r] = _mm512_setzero_ps();
   const __m512i lo4 = _mm512_set1_epi8(0x0f);
   // nvec code vectors from v covering elements e0.. of block b, scale unit j; bias halves [h0, h0 + nh)
+  // vpdpbusd's 4-cycle latency wants 4 independent sums in flight: with fewer rows x planes each sum runs as C
+  // chains over alternate code vectors, added up after (integer sums: the same bits for any C)
+  constexpr int C = MB * (Q16 ? 2 : 1) >= 4 ? 1 : MB * (Q16 ? 2 : 1) == 1 ? 4 : 2;
   auto unit = [&](const uint8_t* v, int nvec, int shift, int64_t e0, int64_t b, int64_t j, int64_t h0, int nh)
                   __attribute__((always_inline)) {
-    __m512i ih[MB], il[MB];
+    __m512i ih[MB][C], il[MB][C];
     for (int r = 0; r < MB; r++) {
+      for (int c = 0; c < C; c++) ih[r][c] = il[r][c] = _mm512_setzero_si512();
 #ifdef __AVX512VNNI__
       if constexpr (S8) {
-        ih[r] = _mm512_set1_epi32(nh == 2 ? xr[r].nc[h0] + xr[r].nc[h0 + 1] : xr[r].nc[h0]);
-        if constexpr (Q16) il[r] = _mm512_set1_epi32(nh == 2 ? xr[r].ncl[h0] + xr[r].ncl[h0 + 1] : xr[r].ncl[h0]);
-        continue;
+        ih[r][0] = _mm512_set1_epi32(nh == 2 ? xr[r].nc[h0] + xr[r].nc[h0 + 1] : xr[r].nc[h0]);
+        if constexpr (Q16) il[r][0] = _mm512_set1_epi32(nh == 2 ? xr[r].ncl[h0] + xr[r].ncl[h0 + 1] : xr[r].ncl[h0]);
       }
 #endif
-      ih[r] = il[r] = _mm512_setzero_si512();
     }
+#pragma GCC unroll 8
     for (int t = 0; t < nvec; t++) {
       const __m512i raw = _mm512_loadu_si512((const void*)(v + t * 64));
       const CodeVec<S8> c(S8 ? raw : _mm512_and_si512(shift ? _mm512_srli_epi32(raw, 4) : raw, lo4));
       for (int r = 0; r < MB; r++) {
-        ih[r] = c.dot(ih[r], load4(xr[r].q + e0 + 4 * t));
-        if constexpr (Q16) il[r] = c.dot(il[r], load4(xr[r].l + e0 + 4 * t));
+        ih[r][t % C] = c.dot(ih[r][t % C], load4(xr[r].q + e0 + 4 * t));
+        if constexpr (Q16) il[r][t % C] = c.dot(il[r][t % C], load4(xr[r].l + e0 + 4 * t));
       }
     }
+    for (int r = 0; r < MB; r++)
+      for (int c = 1; c < C; c++) {
+        ih[r][0] = _mm512_add_epi32(ih[r][0], ih[r][c]);
+        if constexpr (Q16) il[r][0] = _mm512_add_epi32(il[r][0], il[r][c]);
+      }
     const __m512 dw = w.scale(g, j);
     for (int r = 0; r < MB; r++) {
-      const __m512i s = Q16 ? _mm512_add_epi32(_mm512_slli_epi32(ih[r], 7), il[r]) : ih[r];
+      const __m512i s = Q16 ? _mm512_add_epi32(_mm512_slli_epi32(ih[r][0], 7), il[r][0]) : ih[r][0];
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(xr[r].d[b])), dw, acc[r]);
     }
     if constexpr (!S8) {
