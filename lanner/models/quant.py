@@ -153,6 +153,15 @@ def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return t[g, :, :, i, :].reshape(len(idx), t.shape[1], 32)  # codes [groups, chunks, 8, 16, 4]
 
 
+def _row_range(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Rows a..b-1 (a a multiple of GROUP) of a grouped buffer in repack()'s row-major layout: a strided copy of
+    whole groups (the on-the-fly matmul's tiles; _rows' gather took most of a quantized prefill's dequantization)."""
+    t = t[a // GROUP : -(-b // GROUP)]
+    if t.dim() == 3:  # scales [groups, units, 16]
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[: b - a]
+    return t.permute(0, 3, 1, 2, 4).reshape(-1, t.shape[1], 32)[: b - a]  # codes [groups, chunks, 8, 16, 4]
+
+
 class QuantLinear(nn.Module):
     """A linear layer (or the tied embedding / LM head) over repacked GGUF blocks, rows interleaved in groups of
     16; see the module docstring. `weight` (a dense copy made on each access) exists for callers that need the
@@ -186,7 +195,11 @@ class QuantLinear(nn.Module):
                           self.in_features, dtype)
 
     def dense(self, rows: slice = slice(None), dtype=None) -> torch.Tensor:
-        return self._dequantize(torch.arange(self.out_features, device=self.qs.device)[rows], dtype or self.dtype)
+        a, b, step = rows.indices(self.out_features)
+        if step != 1 or a % GROUP or a >= b:
+            return self._dequantize(torch.arange(self.out_features, device=self.qs.device)[rows], dtype or self.dtype)
+        packed = [None if t is None else _row_range(t, a, b) for t in (self.qs, self.d, self.m)]
+        return dequantize(*packed, self.in_features, dtype or self.dtype)
 
     @property
     def weight(self) -> torch.Tensor:
