@@ -1963,7 +1963,8 @@ struct Model {
     TORCH_CHECK(!bias.has_value() || (bias->numel() == N && bias->scalar_type() == wdt && bias->is_contiguous()),
                 "lowlat.linear: bias must be [N] in the model dtype");
     auto y = torch::empty({M, N}, torch::TensorOptions().dtype(torch::kFloat32));
-    if (M == 0 || N == 0) return argmax ? torch::zeros({M}, torch::TensorOptions().dtype(torch::kLong)) : out_float ? y : y.to(wdt);
+    if (M == 0 || N == 0)
+      return argmax ? torch::zeros({M}, torch::TensorOptions().dtype(torch::kLong)) : out_float ? y : y.to(wdt);
     auto xc = x.contiguous();
     float* yp = y.data_ptr<float>();
     const int nt = nthreads;
