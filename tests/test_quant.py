@@ -5,6 +5,7 @@ greedy; bad GGUF files get clear errors. The model is loaded once per module (st
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lanner import LLM, SamplingParams
 from lanner.layers.attention import build_attention_metadata
@@ -93,6 +94,35 @@ def test_k_quant_repack_keeps_every_value(name):
     p = quant.repack(raw, name, 512)
     got = quant.dequantize(p["qs"], p["d"], p.get("m"), 512)
     assert torch.equal(got, torch.from_numpy(reference(raw, qt).copy()))
+
+
+@needs_lowlat
+def test_one_pass_dequantized_tiles(models, plugins):
+    """lowlat's dequant_t (the engine's prefill tiles) gives quant.dequantize's values bit for bit, transposed, in
+    float32 and bf16, for every stored format and for row ranges that start past the first group and end inside a
+    group; the stored model's QuantLinear layers use it, and their matmul is then the dense matmul's (up to the
+    summation order of a GEMM over the transposed tile)."""
+    kernel = plugins["q16"]._kernel
+    rng = np.random.default_rng(0)
+    cases = [(name, quant.repack(gguf.quants.quantize(rng.standard_normal((37, 96)).astype(np.float32),
+                                                      gguf.GGMLQuantizationType[name]), name, 96), 37, 96)
+             for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_1")]
+    cases += [(name, quant.repack(_random_k_blocks(name, 40, 512, 2), name, 512), 40, 512) for name in ("Q4_K", "Q6_K")]
+    for name, r, n, k in cases:
+        packed = quant.interleave(r["qs"], r["d"], r.get("m"))
+        want = quant.dequantize(r["qs"], r["d"], r.get("m"), k)
+        for a, b in ((0, n), (16, n), (16, 32)):
+            for dtype in (torch.float32, torch.bfloat16):
+                got = kernel.dequant_t(packed, n, k, a, b, dtype == torch.bfloat16)[:, : b - a].T
+                assert torch.equal(got, want[a:b].to(dtype)), (name, a, b, dtype)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernel.dequant_t(packed, n, k, 8, n, False)
+    stored, dense, _, _ = models
+    mod = stored.layers[2].mlp.down_proj
+    assert mod.tile_kernel is not None
+    x = torch.randn(3, mod.in_features, generator=torch.Generator().manual_seed(1))
+    got, want = mod.matmul(x), F.linear(x, dense.layers[2].mlp.down_proj.weight)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 def _q8_activations(x):

@@ -20,8 +20,9 @@ rows interleaved in groups of GROUP = 16 (`interleave`): qs [groups, chunks, 8, 
 scales [groups, blocks, 16]. lowlat's kernels then run 16 rows per vector (one row per 32-bit lane) against
 broadcast activations (lanner/plugins/lowlat/csrc/quant.h); the last group is padded with zero rows. Scales are kept as
 raw bits in integer buffers (float16 in int16, float32 in int32), so that `model.to(dtype)` leaves them alone. The engine's own forward (prefill past the plugin's rows,
-other devices) uses these same buffers: `QuantLinear` dequantizes 4096-row tiles on the fly inside its matmul,
-so no second, dense copy of the weights exists. lowlat's C++ kernels read the buffers directly.
+other devices) uses these same buffers: `QuantLinear` dequantizes 4096-row tiles on the fly inside its matmul
+(on the CPU through lowlat's one-pass `dequant_t` when lowlat runs the model), so no second, dense copy of the
+weights exists. lowlat's C++ kernels read the buffers directly.
 """
 from __future__ import annotations
 
@@ -189,6 +190,9 @@ class QuantLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.offsets = np.cumsum([0, *(pieces or [out_features])]).tolist()  # fused pieces' first rows
         self.pieces = pieces or [out_features]
+        # a CPU plugin's one-pass dequantizer, (packed, N, K, a, b, to_bf16) -> rows a..b-1 as [K, >= b - a]
+        # (lowlat's dequant_t, attached at its build); None: the torch ops of `dense`
+        self.tile_kernel = None
 
     def _dequantize(self, idx: torch.Tensor, dtype) -> torch.Tensor:
         return dequantize(_rows(self.qs, idx), _rows(self.d, idx), None if self.m is None else _rows(self.m, idx),
@@ -210,10 +214,18 @@ class QuantLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T (+ bias), dequantizing TILE_ROWS rows of W at a time."""
-        tiles = [F.linear(x, self.dense(slice(r, r + TILE_ROWS), x.dtype))
+        tiles = [F.linear(x, self._tile(r, min(r + TILE_ROWS, self.out_features), x))
                  for r in range(0, self.out_features, TILE_ROWS)]
         y = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
         return y if self.bias is None else y + self.bias
+
+    def _tile(self, a: int, b: int, x: torch.Tensor) -> torch.Tensor:
+        """Rows a..b-1 of W in x's dtype (the same values either way; the kernel's tile is transposed, which
+        F.linear takes as it is)."""
+        if self.tile_kernel is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            t = self.tile_kernel(self.packed(), self.out_features, self.in_features, a, b, x.dtype == torch.bfloat16)
+            return t[:, : b - a].T
+        return self.dense(slice(a, b), x.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the matrix (the embedding lookup)."""

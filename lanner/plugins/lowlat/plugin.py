@@ -446,6 +446,9 @@ class LowLatPlugin(Plugin):
             ws = [packed(m) for lyr, a in zip(layers, att)
                   for m in (a.qkv_proj, a.o_proj, getattr(lyr.mlp, "gate_up_proj", None), getattr(lyr.mlp, "down_proj", None))]
             kernel.set_quant([*ws, packed(model.embed_tokens)], self.ACT_MODES.index(self.act))
+            for m in model.modules():  # the engine's own prefill matmuls dequantize their tiles here too
+                if isinstance(m, QuantLinear):
+                    m.tile_kernel = kernel.dequant_t
         kernel.invariant = self.invariant is not False
         # attention through vdpbf16ps: the FMA path's bits with fewer instructions
         kernel.attn_dot = self.isa == "auto" and self._load_extension().have_avx512_bf16

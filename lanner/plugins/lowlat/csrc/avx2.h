@@ -178,6 +178,10 @@ static inline void storeu_si512(void* p, i512 a) {
 static inline i512 slli_epi32(i512 a, int n) { return {_mm256_slli_epi32(a.lo, n), _mm256_slli_epi32(a.hi, n)}; }
 static inline i512 srli_epi32(i512 a, int n) { return {_mm256_srli_epi32(a.lo, n), _mm256_srli_epi32(a.hi, n)}; }
 static inline i512 srai_epi32(i512 a, int n) { return {_mm256_srai_epi32(a.lo, n), _mm256_srai_epi32(a.hi, n)}; }
+// the low 16 bits of each int32 lane (lanes holding 0 .. 65535), in lane order
+static inline __m256i cvtepi32_epi16(i512 a) {
+  return _mm256_permute4x64_epi64(_mm256_packus_epi32(a.lo, a.hi), 0xd8);
+}
 static inline i512 abs_epi8(i512 a) { return {_mm256_abs_epi8(a.lo), _mm256_abs_epi8(a.hi)}; }
 static inline i512 sign_epi8(i512 a, i512 b) { return {_mm256_sign_epi8(a.lo, b.lo), _mm256_sign_epi8(a.hi, b.hi)}; }
 // 16 x 16-bit lanes, masked ones not read: the AVX512BW/VL load. Whole vectors are one load, and masks that keep
@@ -238,6 +242,7 @@ static inline __m256i maskz_loadu_epi16_256(unsigned m, const void* p) {
 #define _mm512_mask_mov_epi32 lw::mask_mov_epi32
 #define _mm512_permutexvar_ps lw::permutexvar_ps
 #define _mm512_cvtepi32_ps lw::cvtepi32_ps
+#define _mm512_cvtepi32_epi16 lw::cvtepi32_epi16
 #define _mm512_cvtps_epi32 lw::cvtps_epi32
 #define _mm512_cvttps_epi32 lw::cvttps_epi32
 #define _mm512_cvt_roundps_epi32(a, r) lw::cvt_roundps_epi32<(r)>(a)

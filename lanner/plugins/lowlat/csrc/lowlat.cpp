@@ -2060,6 +2060,64 @@ struct Model {
     return out_float || argmax ? y : y.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
   }
 
+  // Rows a .. b - 1 (a a multiple of 16) of a stored weight [N, K], dequantized and transposed in one pass:
+  // [K, ld] (column n - a is row n; ld = b - a rounded up to 16, the caller slices), float32 or bf16. The engine's
+  // own matmul (QuantLinear.matmul: prefill chunks past lowlat's rows) multiplies by it; the torch ops it replaces
+  // (unpack, widen, scale, offset, cast: each a pass over a float32 tile) took about as long as the matmul itself.
+  // Each value is quant.dequantize's: float32 q * d, then + m (two roundings, as there), then one cast. One
+  // 512-byte chunk load holds 4 code bytes of each of the group's 16 rows: byte e of every row is one shift and
+  // mask away, and the 16 rows of a column are adjacent in the transposed output, so nothing is shuffled.
+  torch::Tensor dequant_t(std::vector<torch::Tensor> w, int64_t N, int64_t K, int64_t a, int64_t b, bool to_bf16) {
+    TORCH_CHECK(a >= 0 && a % kGroup == 0 && a < b && b <= N, "lowlat.dequant_t: rows [", a, ", ", b,
+                ") must start at a multiple of 16 and lie in [0, ", N, ")");
+    const size_t keep = q_keep.size();
+    const QW q = make_qw(w, N, K, "dequant_t weight");
+    q_keep.resize(keep);
+    TORCH_CHECK(q.quant(), "lowlat.dequant_t: needs a stored (quantized) weight");
+    const int64_t ld = (b - a + kGroup - 1) / kGroup * kGroup, g0 = a / kGroup, g1 = (b + kGroup - 1) / kGroup;
+    auto out = torch::empty({K, ld}, torch::TensorOptions().dtype(to_bf16 ? torch::kBFloat16 : torch::kFloat32));
+    char* base = reinterpret_cast<char*>(out.data_ptr());
+    const int64_t esz = to_bf16 ? 2 : 4;
+    auto put = [&](int64_t col, int64_t g, __m512 v) {  // the group's 16 rows of one column
+      if (col >= K) return;
+      char* dst = base + (col * ld + (g - g0) * kGroup) * esz;
+      if (to_bf16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rbf16(v)), 16)));
+      else
+        _mm512_storeu_ps(reinterpret_cast<float*>(dst), v);
+    };
+    const __m512i nib = _mm512_set1_epi32(15);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t g = g0; g < g1; g++)
+      for (int64_t c = 0; c < q.chunks(); c++) {
+        const uint8_t* p = q.chunk(g, c);
+        if (q.fmt == kU4) {  // low nibbles: block 2c, high nibbles: block 2c + 1
+          const __m512 d0 = q.scale(g, 2 * c), m0 = q.offset(g, 2 * c);
+          const __m512 d1 = q.scale(g, 2 * c + 1), m1 = q.offset(g, 2 * c + 1);
+          for (int t = 0; t < 8; t++) {
+            const __m512i v = _mm512_loadu_si512(p + 64 * t);
+            for (int e = 0; e < 4; e++) {
+              const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(v, 8 * e), nib);
+              const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 8 * e + 4), nib);
+              put(64 * c + 4 * t + e, g, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(lo), d0), m0));
+              put(64 * c + 32 + 4 * t + e, g, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), d1), m1));
+            }
+          }
+        } else {  // s8: one block per chunk (K-quant "s8k": a scale per 16)
+          for (int t = 0; t < 8; t++) {
+            const __m512 d = q.kq() ? q.scale(g, 2 * c + t / 4) : q.scale(g, c);
+            const __m512i v = _mm512_loadu_si512(p + 64 * t);
+            for (int e = 0; e < 4; e++) {
+              const __m512i x = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * e), 24);
+              put(32 * c + 4 * t + e, g, _mm512_mul_ps(_mm512_cvtepi32_ps(x), d));
+            }
+          }
+        }
+      }
+    return out;
+  }
+
   // y [M, N] float32 logits -> int64 [M]: per row the first index of the largest value in the model dtype, as
   // torch's argmax of y.to(model dtype). Each thread scans the columns the LM head's GEMV gave it (the same
   // split, so still in its cache); the slices' bests then merge in column order.
@@ -2359,6 +2417,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("record_moe", &lowlat::Model::record_moe)
       .def_readonly("moe_log", &lowlat::Model::moe_log)
       .def("attention", &lowlat::Model::attention)
+      .def("dequant_t", &lowlat::Model::dequant_t, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("test_silu_mul", &lowlat::Model::test_silu_mul)
       .def("test_rmsnorm", &lowlat::Model::test_rmsnorm)
       .def("set_tp", &lowlat::Model::set_tp)
