@@ -248,6 +248,26 @@ def llm_q8(request):
 
 
 @needs_lowlat
+def test_prompt_again_from_prefix_cache_gives_same_tokens(llm_q8):
+    """Stored weights: lowlat runs every prefill step, a long one in pieces of its rows, so a prompt's tokens get
+    the batch-invariant kernels' bits however the prompt was chunked. Asked again, the prompt's full blocks come
+    from the prefix cache and only its tail is recomputed (alone, in a step of a few rows): the same greedy tokens.
+    (With the engine's own matmuls for prompts past 72 tokens, such repeats parted.)"""
+    before = dict(llm_q8.engine.plugins.counts)
+    words = quant.__doc__.split()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, speculative=False)
+    for n in (150, 260, 330):
+        prompt = " ".join(words[:n])
+        first, again = llm_q8.generate(prompt, params)[0], llm_q8.generate(prompt, params)[0]
+        assert first.metrics["prompt_tokens"] > 256 or n < 260
+        assert again.metrics["cached_prompt_tokens"] >= first.metrics["prompt_tokens"] - 16
+        assert again.token_ids == first.token_ids, n
+    counts = llm_q8.engine.plugins.counts
+    assert counts.get(("none", "prefill"), 0) == before.get(("none", "prefill"), 0)
+    assert counts[("lowlat", "prefill")] > before.get(("lowlat", "prefill"), 0)
+
+
+@needs_lowlat
 def test_speculative_greedy_equals_plain_q8(llm_q8):
     """With q8 / q16 activations (not float32 arithmetic) n-gram speculation still emits exactly the plain greedy
     tokens: the verify rows compute the bits of decode rows."""

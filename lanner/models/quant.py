@@ -19,8 +19,8 @@ rows interleaved in groups of GROUP = 16 (`interleave`): qs [groups, chunks, 8, 
 32 bytes of codes (a u4 block pair, an s8 block) and [t, i] holds bytes 4t..4t+3 of the group's row i, and
 scales [groups, blocks, 16]. lowlat's kernels then run 16 rows per vector (one row per 32-bit lane) against
 broadcast activations (lanner/plugins/lowlat/csrc/quant.h); the last group is padded with zero rows. Scales are kept as
-raw bits in integer buffers (float16 in int16, float32 in int32), so that `model.to(dtype)` leaves them alone. The engine's own forward (prefill past the plugin's rows,
-other devices) uses these same buffers: `QuantLinear` dequantizes 4096-row tiles on the fly inside its matmul
+raw bits in integer buffers (float16 in int16, float32 in int32), so that `model.to(dtype)` leaves them alone. The engine's own forward (other devices, prefill
+with `lowlat.prefill_rows=0`, a fallback) uses these same buffers: `QuantLinear` dequantizes 4096-row tiles on the fly inside its matmul
 (on the CPU through lowlat's one-pass `dequant_t` when lowlat runs the model), so no second, dense copy of the
 weights exists. lowlat's C++ kernels read the buffers directly.
 """
