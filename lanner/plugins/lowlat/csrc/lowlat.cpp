@@ -2417,7 +2417,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("record_moe", &lowlat::Model::record_moe)
       .def_readonly("moe_log", &lowlat::Model::moe_log)
       .def("attention", &lowlat::Model::attention)
-      .def("dequant_t", &lowlat::Model::dequant_t, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("dequant_t", &lowlat::Model::dequant_t)
       .def("test_silu_mul", &lowlat::Model::test_silu_mul)
       .def("test_rmsnorm", &lowlat::Model::test_rmsnorm)
       .def("set_tp", &lowlat::Model::set_tp)
