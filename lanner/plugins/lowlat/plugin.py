@@ -47,9 +47,9 @@ class LowLatPlugin(Plugin):
         GEMV across 6-8 at a time;
     prefill_rows: the same for PREFILL / DRAFT_EXTEND steps (0 leaves prefill to the engine). Default: 72; for GGUF
         blocks kept as stored, 256 and every prefill step of the target, however long, in pieces of up to 256
-        rows: as fast as the engine's dequantizing matmuls and SDPA (2026-12-04: a 1400-token prompt 3.1 s on one
-        thread either way, 1.7-1.9 s on two), and every prompt token then gets the batch-invariant kernels' bits,
-        so a prompt answered again from the prefix cache (its tail block recomputed) gives the same tokens;
+        rows: 0-10% slower than the engine's dequantizing matmuls and SDPA on long prompts (tools/prefill_paths.py),
+        but every prompt token then gets the batch-invariant kernels' bits, so chunking does not matter and a
+        prompt answered again from the prefix cache (its tail block recomputed) gives the same tokens;
     max_batch: most sequences per step (default 8);
     isa: "auto" (AVX-512, with AVX512_BF16 dot products when the CPU has them; AVX2 + FMA + F16C on a CPU without
         AVX-512F), "avx512f" (bf16 -> fp32 shifts + FMA) or "avx2" (the AVX2 build: the same kernels on 256-bit
