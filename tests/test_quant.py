@@ -262,6 +262,14 @@ def test_prompt_again_from_prefix_cache_gives_same_tokens(llm_q8):
         assert first.metrics["prompt_tokens"] > 256 or n < 260
         assert again.metrics["cached_prompt_tokens"] >= first.metrics["prompt_tokens"] - 16
         assert again.token_ids == first.token_ids, n
+    # a prefill step of more sequences than lowlat's max_batch (8) runs sequence by sequence: each prompt's first
+    # token and its logprob are those it gets alone
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    prompts = [" ".join(words[5 * i : 5 * i + 12 + 2 * i]) for i in range(9)]  # one step: 9 short prompts
+    batch = llm_q8.generate(prompts, one)
+    for p, got in zip(prompts, batch):
+        alone = llm_q8.generate(p, one)[0]
+        assert (got.token_ids, got.logprobs[0]["logprob"]) == (alone.token_ids, alone.logprobs[0]["logprob"])
     counts = llm_q8.engine.plugins.counts
     assert counts.get(("none", "prefill"), 0) == before.get(("none", "prefill"), 0)
     assert counts[("lowlat", "prefill")] > before.get(("lowlat", "prefill"), 0)

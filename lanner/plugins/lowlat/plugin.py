@@ -260,13 +260,14 @@ class LowLatPlugin(Plugin):
     tree_verify = True
 
     def covers(self, step: Step) -> bool:
-        if self._kernel is None or step.batch_size > self.max_batch:
+        if self._kernel is None:
             return False
-        if step.kind in (StepKind.PREFILL, StepKind.DRAFT_EXTEND):
-            # stored weights: the target's prefill of any length, in pieces (_model_forward)
-            return bool(self.prefill_rows) and (step.num_tokens <= self.prefill_rows or
-                                                (self.stored and step.model == "target"))
-        return step.num_tokens <= self.max_rows
+        prefill = step.kind in (StepKind.PREFILL, StepKind.DRAFT_EXTEND)
+        if prefill and self.stored and step.model == "target" and self.prefill_rows:
+            return True  # any length and batch, in pieces (_model_forward): every prompt token gets lowlat's bits
+        if step.batch_size > self.max_batch:
+            return False
+        return step.num_tokens <= (self.prefill_rows if prefill else self.max_rows)
 
     def forward(self, step: Step, model, *args):
         if step.model == "draft_head":
@@ -282,7 +283,7 @@ class LowLatPlugin(Plugin):
         with self._lock:
             if max(meta.ctx_lens) > kernel.max_pos and self._is_gemma(model):
                 kernel.set_rope(*self._rope_tables(model, max(meta.ctx_lens)))
-            if input_ids.shape[0] <= self.rows:
+            if input_ids.shape[0] <= self.rows and len(meta.q_lens) <= self.max_batch:
                 out = kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
                                      meta.block_size, list(capture_layers), meta.tree or [], meta.group_tables or [],
                                      meta.layer_group or [])
@@ -292,9 +293,10 @@ class LowLatPlugin(Plugin):
         return out
 
     def _pieces(self, kernel, input_ids, positions, kv_caches, meta, capture_layers):
-        """A prefill step longer than the kernels' rows: each sequence's rows in order, self.rows at a time, each
-        piece reading the keys its sequence's earlier pieces wrote (chunked prefill, inside one engine step; the
-        batch-invariant kernels give every row the bits it gets in any other split)."""
+        """A prefill step of more rows or sequences than the kernels take: sequence by sequence, each one's rows in
+        order, self.rows at a time, each piece reading the keys its sequence's earlier pieces wrote (chunked
+        prefill inside one engine step; the batch-invariant kernels give every row the bits it gets in any other
+        split). A draft tree's rows (another sequence's verify in the same step) are few: never split."""
         hidden, captured, t = [], [], 0
         for s, (q, ctx) in enumerate(zip(meta.q_lens, meta.ctx_lens)):
             groups = [[tables[s]] for tables in meta.group_tables or []]
@@ -302,7 +304,7 @@ class LowLatPlugin(Plugin):
                 b = min(q, a + self.rows)
                 h, cap = kernel.forward(input_ids[t + a : t + b], positions[t + a : t + b], kv_caches, [b - a],
                                         [ctx - q + b], [meta.block_tables[s]], meta.block_size, list(capture_layers),
-                                        [], groups, meta.layer_group or [])
+                                        [meta.tree[s]] if meta.tree else [], groups, meta.layer_group or [])
                 hidden.append(h)
                 captured.append(cap)
             t += q
