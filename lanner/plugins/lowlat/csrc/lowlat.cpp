@@ -2062,7 +2062,7 @@ struct Model {
 
   // Rows a .. b - 1 (a a multiple of 16) of a stored weight [N, K], dequantized and transposed in one pass:
   // [K, ld] (column n - a is row n; ld = b - a rounded up to 16, the caller slices), float32 or bf16. The engine's
-  // own matmul (QuantLinear.matmul: prefill chunks past lowlat's rows) multiplies by it; the torch ops it replaces
+  // own matmul (QuantLinear.matmul: its forward with prefill_rows=0, or after a fallback) multiplies by it; the torch ops it replaces
   // (unpack, widen, scale, offset, cast: each a pass over a float32 tile) took about as long as the matmul itself.
   // Each value is quant.dequantize's: float32 q * d, then + m (two roundings, as there), then one cast. One
   // 512-byte chunk load holds 4 code bytes of each of the group's 16 rows: byte e of every row is one shift and
