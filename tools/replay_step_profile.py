@@ -1,8 +1,10 @@
 """Where a speculative step's time goes on the agent-session replay (bundled model, lowlat, one thread, greedy):
 forward + verification ms by the rows a step verifies (median, count), the hybrid proposer's fitted step-cost line,
 and per decode / verify step the engine's time outside forward + verification (drafting, scheduling, appending
-tokens) next to the drafting call alone.
-Usage: python tools/replay_step_profile.py [SPEC (hybrid, none, suffix, ...)] [ACT (q16, q8, float)]"""
+tokens) next to the drafting call alone; then lowlat's own phases (GEMV, attention, barrier waits, the rest, the LM
+head; thread 0) summed over those steps. ATTN_PREFETCH: attention's KV prefetch distance in 16-key tiles (default
+2; 0 switches it off, for an A/B).
+Usage: python tools/replay_step_profile.py [SPEC (hybrid, none, suffix, ...)] [ACT (q16, q8, float)] [ATTN_PREFETCH]"""
 import collections
 import statistics
 import sys
@@ -19,6 +21,11 @@ act = sys.argv[2] if len(sys.argv) > 2 else "q16"
 llm = LLM(spec=None if spec == "none" else spec, draft="default" if spec == "hybrid" else None,
           plugin="lowlat", plugin_options={"lowlat": {"threads": 1, "act": act}})
 eng = llm.engine
+plugin = eng.plugins.plugins[0]
+plugin._load_extension()._set_attn_prefetch(int(sys.argv[3]) if len(sys.argv) > 3 else 2)
+kernel = plugin._kernel
+kernel.profile = True
+phases = [0.0] * 5  # lowlat's phases over the decode / verify steps
 cur, steps, propose_s = {}, [], []
 after_step, engine_step, propose = eng.spec.after_step, eng.step, eng.spec.propose
 
@@ -30,10 +37,13 @@ def timed_after_step(seconds, rows):
 
 def timed_step():
     cur.clear()
+    before = list(kernel.prof)
     t0 = time.perf_counter()
     out = engine_step()
     if "forward" in cur:  # a decode / verify step (prefill steps are not timed by the proposer)
         steps.append((time.perf_counter() - t0, cur["forward"], cur["rows"]))
+        for i, (a, b) in enumerate(zip(kernel.prof, before)):
+            phases[i] += a - b
     return out
 
 
@@ -62,3 +72,5 @@ n = len(steps)
 print(f"{n} decode / verify steps, per step: engine {1e3 * sum(s[0] for s in steps) / n:.2f} ms, forward + "
       f"verification {1e3 * sum(s[1] for s in steps) / n:.2f} ms, the rest {1e3 * sum(s[0] - s[1] for s in steps) / n:.2f}"
       f" ms (drafting {1e3 * sum(propose_s) / max(1, len(propose_s)):.2f} ms per call)")
+print("lowlat over those steps (s, thread 0): " +
+      ", ".join(f"{k} {v:.2f}" for k, v in zip(("gemv", "attention", "barrier", "other", "lm_head"), phases)))
