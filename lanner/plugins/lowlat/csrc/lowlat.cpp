@@ -2388,6 +2388,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.def("_set_attn_prefetch", [](int64_t tiles) { lowlat::g_attn_prefetch = tiles; },
         "attention: how many 16-key tiles ahead the cache rows are prefetched (0: off)");
+  m.def("_set_qprefetch", [](int64_t bytes) { lowlat::g_qprefetch = bytes; },
+        "stored-type GEMV: how many bytes of codes ahead the weight stream is prefetched into L1 (0: off)");
   m.def("_set_prefetch", [](int64_t bytes, int64_t from_rows) {
     lowlat::g_prefetch = bytes;
     lowlat::g_prefetch_rows = int(from_rows);
