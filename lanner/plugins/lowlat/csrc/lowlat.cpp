@@ -2390,6 +2390,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "attention: how many 16-key tiles ahead the cache rows are prefetched (0: off)");
   m.def("_set_qprefetch", [](int64_t bytes) { lowlat::g_qprefetch = bytes; },
         "stored-type GEMV: how many bytes of codes ahead the weight stream is prefetched into L1 (0: off)");
+  m.def("_set_block_rows", [](int64_t rows) {
+    TORCH_CHECK(rows >= 0 && rows <= 6, "lowlat: block rows must be in 0..6 (0: the mode's own)");
+    lowlat::g_block_rows = int(rows);
+  }, "stored-type GEMV: activation rows per block (0: the activation mode's own, q16 5, q8 6, float 4)");
   m.def("_set_prefetch", [](int64_t bytes, int64_t from_rows) {
     lowlat::g_prefetch = bytes;
     lowlat::g_prefetch_rows = int(from_rows);

@@ -151,11 +151,14 @@ static inline int32_t load4(const int8_t* p) {
 
 // Software prefetch of the weight stream into L1, g_qprefetch bytes of codes ahead (0: off; _set_qprefetch), the
 // scales as far ahead in their own streams. Chunks and scales run sequentially across groups, yet the hardware
-// prefetchers alone held one core at ~17 GB/s (tools/qgemv_rows.py, bundled model, q16, 1 thread, off -> 2-4 KB:
-// 1 row 3.95 -> 2.7-3.0 ms, 4 rows 7.2 -> 6.1, 16 rows 24.4 -> 22.0). Only the first row block of a group
-// prefetches; the others find its codes in L1. Inline asm: GCC 12 drops _mm_prefetch in places.
+// prefetchers alone held one core at ~15 GB/s (tools/qgemv_rows.py --prefetch 0,3072, bundled model, q16, 1
+// thread: 1 / 4 / 16 rows 4.35 / 7.35 / 24.7 -> 3.36 / 6.18 / 22.2 ms; 2-4 KB ahead alike, at 2 threads too).
+// Only the first row block of a group prefetches; the others find its codes in L1. Inline asm: GCC 12 drops
+// _mm_prefetch in places.
 static int64_t g_qprefetch = 3072;
-static inline void prefetch_line(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+static inline void prefetch_line(const void* p) {
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+}
 static inline void prefetch_chunk(const QW& w, int64_t g, int64_t c) {
   if (g_qprefetch == 0) return;
   const uint8_t* v = w.chunk(g, c) + g_qprefetch;
@@ -340,10 +343,13 @@ static inline void group_rows(const QW& w, int64_t g, const ARow* xr, int act, b
 }
 
 // activation rows per block: as many as the registers hold with each row's integer sums and float accumulators
-// (q16: 2 planes) kept across a unit. Larger blocks spill; smaller ones leave a leftover block of 1-2 rows that
-// costs nearly a whole pass (tools/qgemv_rows.py, q16, 1 thread: 5, 9, 17 rows 9.0, 14.4, 25.3 ms in blocks of 4
-// against 7.0, 12.3, 23.2 in blocks of 5)
-static inline int block_rows(int act) { return act == kActQ8 ? 6 : act == kActQ16 ? 5 : 4; }
+// (q16: 2 planes) kept across a unit; more spill. Smaller blocks leave a leftover block of 1-2 rows that costs
+// nearly a whole pass (tools/qgemv_rows.py --block-rows 4,5, q16, 1 thread: 5 / 9 rows 8.54 / 13.92 ms in blocks
+// of 4, 7.47 / 12.64 in blocks of 5; 8 and 16 rows alike)
+static int g_block_rows = 0;  // set: every mode's rows per block (1..6; _set_block_rows, for A/B runs)
+static inline int block_rows(int act) {
+  return g_block_rows ? g_block_rows : act == kActQ8 ? 6 : act == kActQ16 ? 5 : 4;
+}
 
 template <int MB>
 static inline void block(const QW& w, int64_t g, const ARow* xr, int act, bool pf, __m512* out) {
