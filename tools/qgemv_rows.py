@@ -6,7 +6,7 @@ to a decode row in the matmuls (the hybrid speculation's row cost, docs/speculat
 ahead, 0 off; _set_block_rows: activation rows per block, 0 the mode's own); every combination runs in the same
 process, alternated per round, for an A/B.
 Usage: python tools/qgemv_rows.py [--threads N] [--act q8|q16|float] [--prefetch 0,3072] [--block-rows 4,5]
-       [--model GGUF]"""
+       [--model GGUF] [--isa auto|avx512|avx2]"""
 import argparse
 import itertools
 import time
@@ -22,12 +22,13 @@ ap.add_argument("--act", default="q16", choices=("q8", "q16", "float"))
 ap.add_argument("--prefetch", default="", help="bytes, comma-separated (default: the built-in distance)")
 ap.add_argument("--block-rows", default="", help="rows, comma-separated (default: the mode's own)")
 ap.add_argument("--model", default=None)
+ap.add_argument("--isa", default="auto", help="lowlat's build: auto, avx512 or avx2")
 args = ap.parse_args()
 ints = lambda s: [int(v) for v in s.split(",")] if s else [None]  # noqa: E731
 configs = list(itertools.product(ints(args.prefetch), ints(args.block_rows)))
 torch.set_num_threads(args.threads)
 llm = LLM(model=args.model, weights="stored", dtype="float32", plugin="lowlat",
-          plugin_options={"lowlat": {"threads": args.threads, "act": args.act}},
+          plugin_options={"lowlat": {"threads": args.threads, "act": args.act, "isa": args.isa}},
           spec=None, kv_cache_memory="0.05GiB")
 plugin = llm.engine.plugins.plugins[0]
 kernel, ext = plugin._kernel, plugin._load_extension()
