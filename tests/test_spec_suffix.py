@@ -212,7 +212,8 @@ def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plai
 
 def test_hybrid_drafts_the_prefix_that_pays_for_its_rows():
     """A step's time as a line in its rows (decayed least squares over decode and verify steps); the suffix draft is
-    cut where one more row costs more than its expected acceptance brings, scaled by how the suffix predictions fared."""
+    cut where one more row costs more than its expected acceptance brings, learned per match length from how the
+    verified suffix drafts fared."""
     from lanner.spec.suffix import Draft
 
     cost = StepCost()
@@ -220,13 +221,17 @@ def test_hybrid_drafts_the_prefix_that_pays_for_its_rows():
         cost.add(1, 1.0)
         cost.add(3, 1.5)  # T(n) = 0.75 + 0.25 n
     assert cost.ratio(1) == pytest.approx(1.0) and cost.ratio(4) == pytest.approx(1.75)
-    p = HybridProposer(suffix=None, head=None, head_tokens=3)  # best_suffix needs neither
+    p = HybridProposer(suffix=SuffixProposer(), head=None, head_tokens=3)  # best_suffix needs no head
     p.cost = cost
-    draft = Draft([5, 6, 7], 1.6, probs=[0.9, 0.5, 0.2])
-    # (1 + e_L) / ratio(1 + L): 1.52, 1.60, 1.49 -> two tokens
+    draft = Draft([5, 6, 7], 1.6, probs=[0.9, 0.5, 0.2], match=2)
+    # nothing verified yet: the index's frequencies; (1 + e_L) / ratio(1 + L): 1.52, 1.60, 1.49 -> two tokens
     assert p.best_suffix(draft, timed=True)[:2] == (pytest.approx(2.4 / 1.5), 2)
-    p.predicted, p.accepted = 10.0, 2.0  # suffix drafts got a fifth of what they predicted: no draft pays
-    assert p.best_suffix(draft, timed=True)[1] == 0
+    long_match = Draft([5, 6, 7], 1.6, probs=[0.9, 0.5, 0.2], match=12)
+    for _ in range(40):  # drafts on a 2-token match were rejected at their first token, on a 12-token one accepted
+        p.after_verify(None, DraftState(source="suffix", suffix_chain=(draft.probs[:2], 2)), 2, 0, 0)
+        p.after_verify(None, DraftState(source="suffix", suffix_chain=(long_match.probs, 12)), 3, 3, 0)
+    assert p.best_suffix(draft, timed=True)[1] == 0  # no draft pays on a short match
+    assert p.best_suffix(long_match, timed=True)[1] == 3  # a long one now expects more than the frequencies said
     assert p.best_suffix(draft, timed=False)[1] == 3  # a seeded sample: the whole draft, whatever the times
     for _ in range(200):
         cost.add(1, 1.0)

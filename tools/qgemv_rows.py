@@ -1,12 +1,12 @@
 """lowlat's stored-type GEMVs over a stored-weights model's GGUF blocks against 1, 2, 4, 5, 8, 9 and 16 activation
-rows: one `qlinear` pass over every quantized matrix but the embedding / LM head (the working set of a decode
+rows (--rows): one `qlinear` pass over every quantized matrix but the embedding / LM head (the working set of a decode
 step's matmuls, larger than L3), best of 8 per round, 3 rounds, ms per pass. What a verify row costs next
 to a decode row in the matmuls (the hybrid speculation's row cost, docs/speculation.md).
 --prefetch and --block-rows take comma-separated values (lowlat's _set_qprefetch: bytes of codes prefetched
 ahead, 0 off; _set_block_rows: activation rows per block, 0 the mode's own); every combination runs in the same
 process, alternated per round, for an A/B.
 Usage: python tools/qgemv_rows.py [--threads N] [--act q8|q16|float] [--prefetch 0,3072] [--block-rows 4,5]
-       [--model GGUF] [--isa auto|avx512|avx2]"""
+       [--rows 1,2,4] [--model GGUF] [--isa auto|avx512|avx2]"""
 import argparse
 import itertools
 import time
@@ -21,6 +21,7 @@ ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--act", default="q16", choices=("q8", "q16", "float"))
 ap.add_argument("--prefetch", default="", help="bytes, comma-separated (default: the built-in distance)")
 ap.add_argument("--block-rows", default="", help="rows, comma-separated (default: the mode's own)")
+ap.add_argument("--rows", default="1,2,4,5,8,9,16", help="activation row counts, comma-separated")
 ap.add_argument("--model", default=None)
 ap.add_argument("--isa", default="auto", help="lowlat's build: auto, avx512 or avx2")
 args = ap.parse_args()
@@ -35,7 +36,7 @@ kernel, ext = plugin._kernel, plugin._load_extension()
 linears = [(m.packed(), m.out_features, m.in_features) for n, m in llm.engine.kv.runner.model.named_modules()
            if isinstance(m, QuantLinear) and "lm_head" not in n and "embed" not in n]
 g = torch.Generator().manual_seed(0)
-rows_list = (1, 2, 4, 5, 8, 9, 16)
+rows_list = ints(args.rows)
 ms = {}
 for rows in rows_list:
     xs = {k: torch.randn(rows, k, generator=g) for k in {k for _, _, k in linears}}

@@ -41,6 +41,7 @@ class DraftState:
     source: str | None = None  # the proposer that drafted the request's last step
     head_accepted: float | None = None  # hybrid: running mean of the head's accepted tokens per step
     suffix_predicted: float = 0.0  # hybrid: accepted tokens the suffix draft of the last step was expected to get
+    suffix_chain: tuple[list[float], int] | None = None  # hybrid: that draft's running probabilities and match
 
 
 def draft_room(req) -> int:

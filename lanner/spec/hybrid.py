@@ -1,9 +1,12 @@
 """Hybrid speculation: per request and per step, the suffix draft (or a prefix of it), the draft head's, or none,
 whichever is expected to emit the most tokens per unit of time.
 
-The suffix draft comes with each token's running probability under the index's frequencies (lanner.spec.suffix);
-their sum, scaled by how the suffix drafts' predictions have fared on this engine (accepted / predicted), is the
-tokens it expects to get accepted. It costs microseconds. The head's expectation is the running mean of its accepted
+The suffix draft comes with each token's running probability under the index's frequencies (lanner.spec.suffix)
+and the length of the context it matched. How likely the target is to accept each token after the ones before it is
+learned on this engine from the suffix drafts it verified (Acceptance): per bucket of the index's frequency for that
+token and of the match length, starting from the frequency itself. The running products of those chances, summed,
+are the tokens a draft prefix expects to get accepted. (A tree draft: its score, scaled by accepted / predicted over
+the trees verified lately.) It costs microseconds. The head's expectation is the running mean of its accepted
 tokens per verify step on this request (a prior until it has drafted), and it costs a head forward.
 
 Time is what a step costs in the rows it verifies: T(n) = a + b n, fitted over the recent decode and verify
@@ -28,8 +31,55 @@ HEAD_PRIOR = 0.5  # accepted tokens per head step before a request has any (the 
 HEAD_DECAY = 0.7  # weight of the old mean per head step: recent text decides
 TIME_DECAY = 0.9  # weight of the old mean of the head's drafting time
 COST_DECAY = 0.97  # weight of the older steps in the step-time fit (per step)
-CALIB_DECAY = 0.98  # weight of the older suffix verifications in accepted / predicted
+CALIB_DECAY = 0.98  # weight of the older suffix tree verifications in accepted / predicted
 MIN_STEPS = 8  # steps before the fit decides
+
+
+class Acceptance:
+    """The chance that the target accepts a suffix chain's next token once it accepted the ones before: per bucket of
+    the index's conditional frequency for the token (its running probability over the previous one's) and of the
+    draft's match length, decayed hits / tries over the verified tokens, with PRIOR pseudo-tries at the token's own
+    frequency (an unseen bucket trusts the index). A token counts as tried when all before it were accepted.
+
+    The index's frequencies alone overrate short matches: on the agent-session replay a one- or two-token match
+    continued as drafted far less often than a long one with the same counts (measured offline over the replay's
+    greedy outputs: the drafts' expected tokens scaled by one global accepted / predicted spent ~45% of the
+    drafted rows on rejected tokens; see docs/speculation.md)."""
+
+    FREQ_BUCKETS = 5
+    MATCH_CAP, MATCH_WIDTH = 8, 2  # match buckets: [0, 2), [2, 4), [4, 6), [6, 8), 8+
+    PRIOR = 4.0
+    DECAY = 0.995  # weight of the older tries, per verified draft
+
+    def __init__(self):
+        self.hits: dict[tuple[int, int], float] = {}
+        self.tries: dict[tuple[int, int], float] = {}
+
+    def _keys(self, probs: list[float], match: int) -> list[tuple[tuple[int, int], float]]:
+        m, out, prev = min(match, self.MATCH_CAP) // self.MATCH_WIDTH, [], 1.0
+        for p in probs:
+            q = p / prev if prev > 0 else 0.0
+            prev = p
+            out.append(((min(self.FREQ_BUCKETS - 1, int(q * self.FREQ_BUCKETS)), m), q))
+        return out
+
+    def expected(self, probs: list[float], match: int) -> list[float]:
+        """Expected accepted tokens of each prefix (1, 2, .. tokens) of a chain with these running probabilities."""
+        out, run, total = [], 1.0, 0.0
+        for key, q in self._keys(probs, match):
+            run *= (self.hits.get(key, 0.0) + self.PRIOR * q) / (self.tries.get(key, 0.0) + self.PRIOR)
+            total += run
+            out.append(total)
+        return out
+
+    def update(self, probs: list[float], match: int, accepted: int):
+        """A verified chain (the drafted prefix's running probabilities) got its first `accepted` tokens accepted."""
+        for key in self.tries:
+            self.tries[key] *= self.DECAY
+            self.hits[key] *= self.DECAY
+        for i, (key, _) in enumerate(self._keys(probs[: accepted + 1], match)):
+            self.tries[key] = self.tries.get(key, 0.0) + 1.0
+            self.hits[key] = self.hits.get(key, 0.0) + (1.0 if i < accepted else 0.0)
 
 
 class StepCost:
@@ -79,7 +129,8 @@ class HybridProposer(Proposer):
         self.suffix, self.head, self.head_tokens = suffix, head, head_tokens
         self.cost = StepCost()
         self.head_s: float | None = None  # moving mean of a head drafting call's seconds
-        self.predicted = self.accepted = 0.0  # decayed sums over suffix verifications: expected vs accepted tokens
+        self.acceptance = Acceptance()  # suffix chains
+        self.predicted = self.accepted = 0.0  # decayed sums over suffix tree verifications: expected vs accepted
 
     def head_cost(self) -> float:
         """A head draft's time relative to a decode step (0 until both were measured)."""
@@ -87,7 +138,7 @@ class HybridProposer(Proposer):
         return 0.0 if t1 is None or self.head_s is None else self.head_s / t1
 
     def calibration(self) -> float:
-        """Accepted / predicted tokens of the suffix drafts verified lately (1 before any)."""
+        """Accepted / predicted tokens of the suffix trees verified lately (1 before any)."""
         return min(2.0, max(0.1, self.accepted / self.predicted)) if self.predicted > 1.0 else 1.0
 
     def best_suffix(self, d, timed: bool) -> tuple[float, int, float]:
@@ -97,12 +148,11 @@ class HybridProposer(Proposer):
         if d.probs is None or not timed:  # a tree is verified whole; untimed (a seeded sample) rows count as free
             expect = self.calibration() * d.score if timed else d.score
             return (1 + expect) / (self.cost.ratio(1 + len(d.tokens)) if timed else 1.0), len(d.tokens), d.score
-        best, cum, kappa = (1.0, 0, 0.0), 0.0, self.calibration()
-        for n, p in enumerate(d.probs, 1):
-            cum += p
-            rate = (1 + kappa * cum) / self.cost.ratio(1 + n)
+        best = (1.0, 0, 0.0)
+        for n, expect in enumerate(self.acceptance.expected(d.probs, d.match), 1):
+            rate = (1 + expect) / self.cost.ratio(1 + n)
             if rate > best[0]:
-                best = (rate, n, cum)
+                best = (rate, n, expect)
         return best
 
     def propose(self, requests, ks, states):
@@ -121,6 +171,7 @@ class HybridProposer(Proposer):
                 to_head.append(i)
             else:  # the suffix draft's best prefix (possibly empty: a plain decode step is the better bet)
                 st.source, st.suffix_predicted = self.suffix.name, predicted
+                st.suffix_chain = (d.probs[:n], d.match) if d.probs is not None else None
                 out[i] = (d.tokens[:n], None, d.parents if n == len(d.tokens) else None)
         if to_head:
             # only steady-state calls are timed: a head catching up on a long stretch (a prompt, a run of suffix
@@ -141,8 +192,12 @@ class HybridProposer(Proposer):
 
     def after_verify(self, req, st, num_proposed, num_accepted, tokens_before):
         if st.source == self.suffix.name:
-            self.predicted = CALIB_DECAY * self.predicted + st.suffix_predicted
-            self.accepted = CALIB_DECAY * self.accepted + num_accepted
+            if st.suffix_chain is not None:
+                probs, match = st.suffix_chain
+                self.acceptance.update(probs[:num_proposed], match, num_accepted)
+            else:
+                self.predicted = CALIB_DECAY * self.predicted + st.suffix_predicted
+                self.accepted = CALIB_DECAY * self.accepted + num_accepted
             return
         if st.source != self.head.name:
             return

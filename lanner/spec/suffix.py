@@ -54,6 +54,7 @@ class Draft:
     score: float  # expected accepted tokens under the index's frequencies
     parents: list[int] | None = None  # a tree: each node's parent index (-1: the request's last token)
     probs: list[float] | None = None  # a chain: each token's running probability (score = their sum)
+    match: int = 0  # tokens of context the index matched (a longer match drafts more reliably)
 
 
 class SuffixProposer(Proposer):
@@ -97,10 +98,10 @@ class SuffixProposer(Proposer):
 
     def _draft(self, tree, chain, k: int, depth: int) -> Draft:
         if self.max_depth:
-            tokens, parents, _, score = tree(k, depth, self.factor, self.min_prob)
-            return Draft(tokens, score, parents)
-        tokens, _, score, probs = chain(k, self.factor, self.min_prob)
-        return Draft(tokens, score, probs=probs)
+            tokens, parents, match, score = tree(k, depth, self.factor, self.min_prob)
+            return Draft(tokens, score, parents, match=match)
+        tokens, match, score, probs = chain(k, self.factor, self.min_prob)
+        return Draft(tokens, score, probs=probs, match=match)
 
     def propose(self, requests, ks, states):
         out = []
