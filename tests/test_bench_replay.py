@@ -151,12 +151,12 @@ def test_generator_builds_valid_agent_sessions(tokenizer, tmp_path):
 @pytest.fixture(scope="module")
 def replay_result(llm, tmp_path_factory):
     """One replay on the tiny file at concurrency 1,2, with --compare: plugin None vs "none", the same system
-    twice."""
+    twice, in 2 rounds."""
     folder = tmp_path_factory.mktemp("replay")
     path = folder / "tiny.jsonl"
     sessions.write_sessions(str(path), TINY)
     args, options = bench_args("replay", "--sessions", str(path), "--concurrency", "1,2", "--compare", "none",
-                               "--json", str(folder / "r.json"), "--png", str(folder / "chart.png"))
+                               "--rounds", "2", "--json", str(folder / "r.json"), "--png", str(folder / "chart.png"))
     return replay.run(args, options), folder
 
 
@@ -185,8 +185,12 @@ def test_replay_compare_runs_two_systems_with_identical_greedy_tokens(replay_res
         ("none", 1), ("none", 2), ("none #2", 1), ("none #2", 2)]
     comp = result["comparison"]
     assert [c["concurrency"] for c in comp] == [1, 2]
+    for r in result["levels"]:  # the medians of 2 rounds: their mean, each round's value kept
+        values = r["round_values"]["speed_p50_tok_s"]
+        assert len(values) == 2 and r["speed_p50_tok_s"] == pytest.approx(sum(values) / 2)
     for c in comp:
         assert c["speed_p50_tok_s_ratio"] > 0 and c["speed_p10_tok_s_ratio"] > 0
+        assert len(c["speed_p50_tok_s_ratio_by_round"]) == 2 and all(x > 0 for x in c["speed_p50_tok_s_ratio_by_round"])
         # the driver's scheduling does not depend on timing: the same system twice is the same computation
         assert c["greedy_identical_turns"] == c["turns"] == 4
 

@@ -45,6 +45,10 @@ def add_arguments(p, name: str, concurrency: str):
                         "--draft or the shipped head; '-tree': draft trees of --spec-tree nodes (default 12; "
                         "hybrid-tree: the suffix index's and the head's); 'llama.cpp': llama-cpp-python (make peers) "
                         "on the same GGUF in its own process, one stream, lowlat's thread count")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the systems this many times, alternating, and report each number as its median over "
+                        "the rounds (each round's own numbers and ratios are kept in the JSON): on a shared, noisy "
+                        "machine one run's ratio moves by several percent")
     p.add_argument("--json", default=None, help=f"result file (default: OUT_DIR/{name}.json)")
     p.add_argument("--png", default=None, help="chart file (default: the --json path with .png)")
     p.add_argument("--out-dir", default="results", help="folder for the result files when --json is not given")
@@ -206,13 +210,16 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
     from lanner.bench.throughput import parse_levels
 
     levels = parse_levels(args.concurrency)
+    rounds = getattr(args, "rounds", 1)
+    if rounds < 1:
+        sys.exit("lanner: error: --rounds: expected a positive number")
     json_path, png_path = report.output_paths(args.json, args.out_dir, name)
     png_path = args.png or png_path
     # the engine must not cap concurrency below the level being measured
     engine_options = engine_options | {"max_num_seqs": max(engine_options["max_num_seqs"], levels[-1])}
     configs = systems(engine_options, args.compare, getattr(args, "systems", None))
     rows, tokens, infos, work, warm, meta = [], {}, [], None, None, {}
-    for sys_name, options in configs:
+    for rnd, (sys_name, options) in ((r, c) for r in range(rounds) for c in configs):
         if options.get("peer"):
             if not meta["model_path"].endswith(".gguf"):
                 sys.exit(f"lanner: error: --systems: {PEER} runs GGUF files, not {meta['model_path']}")
@@ -224,10 +231,12 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
                 or torch.get_num_threads()
             tokens[sys_name] = {}
             for c in levels[:1]:  # one stream: llama.cpp serves one sequence at a time here
-                records, wall = run_peer_sessions(meta["model_path"], work[c], warm, threads, f"{sys_name} c={c}")
+                records, wall = run_peer_sessions(meta["model_path"], work[c], warm, threads,
+                                                  f"{sys_name} c={c}" + (f" round {rnd + 1}" if rounds > 1 else ""))
                 tokens[sys_name][c] = {(r["session"], r["turn"]): r["token_ids"] for r in records}
-                rows.append(summarize(sys_name, c, records, wall))
-            infos.append({"name": sys_name, "peer": PEER, "threads": threads, "concurrency": levels[:1]})
+                rows.append(summarize(sys_name, c, records, wall) | {"round": rnd})
+            if rnd == 0:
+                infos.append({"name": sys_name, "peer": PEER, "threads": threads, "concurrency": levels[:1]})
             continue
         llm = _load(sys_name, options)
         engine = llm.engine
@@ -244,24 +253,34 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
             if engine.proposer is not None:  # the same turns again: the suffix index must not hold their outputs
                 engine.proposer.forget()
             before = spec_counters(engine)
-            records, wall = run_sessions(engine, work[c], c, f"{sys_name} c={c}")
+            records, wall = run_sessions(engine, work[c], c,
+                                         f"{sys_name} c={c}" + (f" round {rnd + 1}" if rounds > 1 else ""))
             tokens[sys_name][c] = {(r["session"], r["turn"]): r["token_ids"] for r in records}
-            rows.append(summarize(sys_name, c, records, wall) | spec_summary(before, spec_counters(engine)))
-        infos.append({"name": sys_name, "plugin": options.get("plugin"),
-                      "plugin_options": options.get("plugin_options"), "plugins": _plugin_state(engine)})
+            rows.append(summarize(sys_name, c, records, wall) | spec_summary(before, spec_counters(engine)) |
+                        {"round": rnd})
+        if rnd == 0:
+            infos.append({"name": sys_name, "plugin": options.get("plugin"),
+                          "plugin_options": options.get("plugin_options"), "plugins": _plugin_state(engine)})
         device = engine.config.device
         del llm, engine  # free this system before the next one loads
         gc.collect()
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
 
+    by_round = [[r for r in rows if r["round"] == k] for k in range(rounds)]
+    rows = merge_rounds(by_round)
     result = {"benchmark": name.removeprefix("bench_"), **meta, **extra, "levels_concurrency": levels,
               "engine": {k: v for k, v in engine_options.items() if k not in ("model", "plugin", "plugin_options")},
-              "systems": infos, "levels": rows}
+              "rounds": rounds, "systems": infos, "levels": rows}
     if len(configs) >= 2:  # every system against the first (--systems) / the --plugin system against --compare
         names = [n for n, _ in configs]
         pairs = [(n, names[0]) for n in names[1:]] if getattr(args, "systems", None) else [(names[0], names[1])]
         result["comparison"] = [c for a, b in pairs for c in comparison(rows, a, b, tokens)]
+        if rounds > 1:  # each round's own ratios next to the ratio of the medians
+            for c in result["comparison"]:
+                c["speed_p50_tok_s_ratio_by_round"] = [
+                    x["speed_p50_tok_s_ratio"] for rr in by_round
+                    for x in comparison(rr, c["system"], c["baseline"], tokens) if x["concurrency"] == c["concurrency"]]
     report.write_json(json_path, result)
     env = meta["env"]
     speed_chart(png_path, rows, [n for n, _ in configs], levels,
@@ -273,6 +292,30 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
                   f"to the engine's own forward): {info['plugins']['disabled']}", file=sys.stderr)
     print(f"\nwrote {json_path} and {png_path}")
     return result
+
+
+MERGED = ("speed_p50_tok_s", "speed_p10_tok_s", "ttft_p50_s", "ttft_p90_s", "output_tok_s", "wall_s", "spec_tau",
+          "spec_propose_ms_per_step")
+
+
+def merge_rounds(by_round: list[list[dict]]) -> list[dict]:
+    """One row per (system, level) over the rounds' rows: the first round's, with each MERGED number replaced by
+    its median over the rounds and every round's value under round_values (one round: its rows unchanged)."""
+    if len(by_round) == 1:
+        return by_round[0]
+    out = []
+    for first in by_round[0]:
+        same = [r for rr in by_round for r in rr if (r["system"], r["concurrency"]) ==
+                (first["system"], first["concurrency"])]
+        row = dict(first)
+        row["round_values"] = {}
+        for k in MERGED:
+            values = [r.get(k) for r in same]
+            if all(v is not None for v in values):
+                row[k] = percentile(values, 50)
+                row["round_values"][k] = values
+        out.append(row)
+    return out
 
 
 def spec_counters(engine) -> dict:
@@ -345,6 +388,11 @@ def format_tables(result: dict) -> str:
         text += f"\n\nagainst {c0['baseline']}:\n\n" + report.markdown_table(
             ["system", "concurrency", "speed P50 ratio", "speed P10 ratio", "TTFT P50 ratio", "output tok/s ratio",
              "greedy identical"], rows)
+        if result.get("rounds", 1) > 1:
+            text += (f"\n\n(numbers: medians over {result['rounds']} rounds; speed P50 ratio per round: " +
+                     "; ".join(f"{c['system']} c={c['concurrency']} " +
+                               ", ".join(f(x, 2) for x in c["speed_p50_tok_s_ratio_by_round"])
+                               for c in result["comparison"]) + ")")
     return text
 
 
