@@ -364,8 +364,9 @@ class LLMEngine:
                 plain_reqs.append(it.request)
                 row += 1
         if plain_reqs and logits.dim() == 1:
-            for r, tok in zip(plain_reqs, logits[plain_rows].tolist()):
-                emitted[id(r)] = (tok, None)
+            tokens = logits.tolist()  # (indexing the tensor by a list costs more than the rest of this)
+            for r, i in zip(plain_reqs, plain_rows):
+                emitted[id(r)] = (tokens[i], None)
         elif plain_reqs:
             result = sample(logits[plain_rows], plain_reqs)
             for r, tok, lp in zip(plain_reqs, result.token_ids, result.logprobs):

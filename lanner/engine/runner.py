@@ -168,7 +168,8 @@ class ModelRunner:
         self.features = torch.cat(captured, dim=-1) if captured else None
         if not rows:
             return torch.empty(0, dtype=torch.long) if argmax else hidden.new_empty(0, 0)
-        hidden = hidden[torch.tensor(rows, device=dev)]
+        if len(rows) != t:  # (rows ascend: as many as the step's tokens means all of them, no gather)
+            hidden = hidden[torch.tensor(rows, device=dev)]
         if step is None:
             logits = self.model.compute_logits(hidden)
             return logits.argmax(-1) if argmax else logits.float()

@@ -139,6 +139,7 @@ class PluginRuntime:
         self.metrics, self.verify_steps = metrics, verify_steps
         self.verified: dict[tuple[str, str], int] = {}
         self.counts: dict[tuple[str, str], int] = {}  # (plugin or "none", kind) -> calls, also in /metrics
+        self._counters: dict[tuple[str, str], object] = {}  # their /metrics children
         self.last: Plugin | None = None  # the plugin that ran the latest forward, for its logits
 
     @property
@@ -146,9 +147,12 @@ class PluginRuntime:
         return [p for p in self.plugins if p.name not in self.disabled]
 
     def _count(self, name: str, kind: str):
-        self.counts[(name, kind)] = self.counts.get((name, kind), 0) + 1
+        key = (name, kind)
+        self.counts[key] = self.counts.get(key, 0) + 1
         if self.metrics is not None:
-            self.metrics.plugin_steps.labels(name, kind).inc()
+            if key not in self._counters:  # (prometheus' labels() lookup costs more than the increment)
+                self._counters[key] = self.metrics.plugin_steps.labels(name, kind)
+            self._counters[key].inc()
 
     def forward(self, step: Step, module, *args):
         kind = step.kind.value
