@@ -39,6 +39,36 @@ class AttentionMetadata:
     layer_group: list[int] | None = None
 
 
+class _Lazy:
+    """A metadata tensor built on its first read (within the step): lowlat reads the step's layout (q_lens, ctx_lens,
+    block_tables), not the gather indices and masks PyTorch's attention needs, and building those cost ~3% of a
+    decode step there (tools/step_overhead.py)."""
+
+    __slots__ = ("build",)
+
+    def __init__(self, build):
+        self.build = build
+
+
+def _lazy_field(name: str) -> property:
+    key = "_" + name
+
+    def get(self):
+        value = self.__dict__[key]
+        if isinstance(value, _Lazy):
+            value = self.__dict__[key] = value.build()
+        return value
+
+    def put(self, value):
+        self.__dict__[key] = value
+
+    return property(get, put)
+
+
+for _name in ("slot_mapping", "kv_slots", "mask"):
+    setattr(AttentionMetadata, _name, _lazy_field(_name))
+
+
 class AttentionBackend:
     """A step's attention other than dense reads of the paged cache (AttentionMetadata.backend): Quest-sparse
     reads of it (lanner.kvcache.quest.QuestSelector), or KV behind UlaCache's addresses (lanner.engine.ula_dense).
@@ -106,41 +136,50 @@ def sdpa_grouped(qp, kp, vp, mask, scale):
 
 
 def build_attention_metadata(q_lens, ctx_lens, block_tables, block_size, device) -> AttentionMetadata:
-    """q_lens/ctx_lens: per-sequence ints; block_tables: per-sequence lists of block ids."""
+    """q_lens/ctx_lens: per-sequence ints; block_tables: per-sequence lists of block ids. slot_mapping, kv_slots and
+    mask are built on their first read (_Lazy)."""
     B = len(q_lens)
     Qmax, Lmax = max(q_lens), max(ctx_lens)
-    slots = []
-    for ql, cl, bt in zip(q_lens, ctx_lens, block_tables):
-        for p in range(cl - ql, cl):
-            slots.append(bt[p // block_size] * block_size + p % block_size)
-    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+
+    def slot_mapping():
+        slots = []
+        for ql, cl, bt in zip(q_lens, ctx_lens, block_tables):
+            for p in range(cl - ql, cl):
+                slots.append(bt[p // block_size] * block_size + p % block_size)
+        return torch.tensor(slots, dtype=torch.long, device=device)
+
     q_dest = None
     if any(ql != Qmax for ql in q_lens):
         q_dest = torch.tensor([b * Qmax + i for b, ql in enumerate(q_lens) for i in range(ql)], device=device)
-    kv_range = kv_slots = None
+    kv_range = None
     if B == 1:
         bt = block_tables[0]
         nb = (ctx_lens[0] + block_size - 1) // block_size
         if all(bt[i] == bt[0] + i for i in range(nb)):
             kv_range = (bt[0] * block_size, bt[0] * block_size + ctx_lens[0])
-    if kv_range is None:
+
+    def kv_slots():
         nb = (Lmax + block_size - 1) // block_size
         table = torch.tensor([bt[:nb] + [0] * (nb - len(bt[:nb])) for bt in block_tables], dtype=torch.long)
         offs = torch.arange(Lmax)
-        kv_slots = (table[:, offs // block_size] * block_size + offs % block_size).to(device)
+        return (table[:, offs // block_size] * block_size + offs % block_size).to(device)
+
     is_causal = B == 1 and ctx_lens[0] == q_lens[0] and Qmax > 1
-    mask = None
-    if not is_causal and not (Qmax == 1 and all(c == Lmax for c in ctx_lens)):
+
+    def mask():
         ctx = torch.tensor(ctx_lens)
         ql = torch.tensor(q_lens)
         i = torch.arange(Qmax)
         qpos = (ctx - ql)[:, None] + i[None, :]  # [B, Qmax] absolute position of each query row
         j = torch.arange(Lmax)
-        mask = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
-        mask[:, :, 0] |= i[None, :] >= ql[:, None]  # padded query rows attend to slot 0: avoids NaN rows
-        mask = mask[:, None].to(device)
-    return AttentionMetadata(slot_mapping, B, Qmax, kv_slots, kv_range, mask, is_causal, q_dest, list(q_lens),
-                             list(ctx_lens), block_tables, block_size)
+        m = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < ctx[:, None, None])
+        m[:, :, 0] |= i[None, :] >= ql[:, None]  # padded query rows attend to slot 0: avoids NaN rows
+        return m[:, None].to(device)
+
+    masked = not is_causal and not (Qmax == 1 and all(c == Lmax for c in ctx_lens))
+    return AttentionMetadata(_Lazy(slot_mapping), B, Qmax, None if kv_range else _Lazy(kv_slots), kv_range,
+                             _Lazy(mask) if masked else None, is_causal, q_dest, list(q_lens), list(ctx_lens),
+                             block_tables, block_size)
 
 
 def group_metadata(meta: AttentionMetadata, tables: list[list[int]], window: int | None) -> AttentionMetadata:
