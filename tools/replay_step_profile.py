@@ -2,8 +2,8 @@
 forward + verification ms by the rows a step verifies (median, count), the hybrid proposer's fitted step-cost line,
 and per decode / verify step the engine's time outside forward + verification (drafting, scheduling, appending
 tokens) next to the drafting call alone; then lowlat's own phases (GEMV, attention, barrier waits, the rest, the LM
-head; thread 0) summed over those steps. ATTN_PREFETCH: attention's KV prefetch distance in 16-key tiles (default
-2; 0 switches it off, for an A/B).
+head; thread 0) summed over those steps, and their medians by rows per step. ATTN_PREFETCH: attention's KV prefetch
+distance in 16-key tiles (default 2; 0 switches it off, for an A/B).
 Usage: python tools/replay_step_profile.py [SPEC (hybrid, none, suffix, ...)] [ACT (q16, q8, float)] [ATTN_PREFETCH]"""
 import collections
 import statistics
@@ -26,6 +26,7 @@ plugin._load_extension()._set_attn_prefetch(int(sys.argv[3]) if len(sys.argv) > 
 kernel = plugin._kernel
 kernel.profile = True
 phases = [0.0] * 5  # lowlat's phases over the decode / verify steps
+by_rows_phases = collections.defaultdict(list)  # rows -> each such step's phases
 cur, steps, propose_s = {}, [], []
 after_step, engine_step, propose = eng.spec.after_step, eng.step, eng.spec.propose
 
@@ -42,8 +43,9 @@ def timed_step():
     out = engine_step()
     if "forward" in cur:  # a decode / verify step (prefill steps are not timed by the proposer)
         steps.append((time.perf_counter() - t0, cur["forward"], cur["rows"]))
-        for i, (a, b) in enumerate(zip(kernel.prof, before)):
-            phases[i] += a - b
+        step_phases = [a - b for a, b in zip(kernel.prof, before)]
+        phases[:] = [p + d for p, d in zip(phases, step_phases)]
+        by_rows_phases[cur["rows"]].append(step_phases)
     return out
 
 
@@ -74,3 +76,9 @@ print(f"{n} decode / verify steps, per step: engine {1e3 * sum(s[0] for s in ste
       f" ms (drafting {1e3 * sum(propose_s) / max(1, len(propose_s)):.2f} ms per call)")
 print("lowlat over those steps (s, thread 0): " +
       ", ".join(f"{k} {v:.2f}" for k, v in zip(("gemv", "attention", "barrier", "other", "lm_head"), phases)))
+print("lowlat's phases by rows per step (ms, median over the steps of that size, 3+ steps; thread 0):")
+for rows, steps_phases in sorted(by_rows_phases.items()):
+    if len(steps_phases) >= 3:
+        med = [1e3 * statistics.median(x[i] for x in steps_phases) for i in range(5)]
+        print(f"{rows} ({len(steps_phases)}): " +
+              ", ".join(f"{k} {m:.2f}" for k, m in zip(("gemv", "attention", "barrier", "other", "lm_head"), med)))

@@ -177,7 +177,7 @@ def build_attention_metadata(q_lens, ctx_lens, block_tables, block_size, device)
         return m[:, None].to(device)
 
     masked = not is_causal and not (Qmax == 1 and all(c == Lmax for c in ctx_lens))
-    return AttentionMetadata(_Lazy(slot_mapping), B, Qmax, None if kv_range else _Lazy(kv_slots), kv_range,
+    return AttentionMetadata(_Lazy(slot_mapping), B, Qmax, None if kv_range is not None else _Lazy(kv_slots), kv_range,
                              _Lazy(mask) if masked else None, is_causal, q_dest, list(q_lens), list(ctx_lens),
                              block_tables, block_size)
 
