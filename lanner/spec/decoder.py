@@ -35,13 +35,26 @@ class DraftState:
     """A request's drafting progress, kept by the SpecDecoder (by request id) and handed to its proposer."""
 
     computed: int = 0  # positions whose KV the draft holds
-    features: torch.Tensor | None = None  # draft heads: target features of positions computed.. not yet consumed
+    # draft heads: target features of positions computed.. not yet consumed, as the steps appended them (joined
+    # when read: a cat per step would copy the whole backlog each time, and a request the hybrid keeps on suffix
+    # drafts builds one of ~10 MB)
+    feature_rows: list[torch.Tensor] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # the draft's own KV blocks (a target without block tables)
     suffix: object = None  # the suffix proposer's index over the request's tokens
     source: str | None = None  # the proposer that drafted the request's last step
     head_accepted: float | None = None  # hybrid: running mean of the head's accepted tokens per step
     suffix_predicted: float = 0.0  # hybrid: accepted tokens the suffix draft of the last step was expected to get
     suffix_chain: tuple[list[float], int] | None = None  # hybrid: that draft's running probabilities and match
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        if len(self.feature_rows) > 1:
+            self.feature_rows = [torch.cat(self.feature_rows)]
+        return self.feature_rows[0] if self.feature_rows else None
+
+    @features.setter
+    def features(self, rows: torch.Tensor | None):
+        self.feature_rows = [] if rows is None else [rows]
 
 
 def draft_room(req) -> int:
@@ -55,6 +68,7 @@ class SpecDecoder:
         self.proposer, self.config, self.metrics = proposer, config, metrics
         self.states: dict[str, DraftState] = {}
         self.learner = None  # lanner.spec.learn.DraftLearner under --learn-draft: keeps the verified features
+        self._children: dict = {}  # (metric, label) -> its prometheus child (_child)
 
     def state(self, req) -> DraftState:
         st = self.states.get(req.request_id)
@@ -98,8 +112,8 @@ class SpecDecoder:
             with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
                 propose_drafts(draft, rollback, spec, self.config.draft_limit, self.config.grammar_draft_tokens > 0)
             if self.proposer is not None:
-                self.metrics.spec_propose_seconds.labels(self.proposer.name).inc(time.perf_counter() - t0)
-                self.metrics.spec_propose_steps.labels(self.proposer.name).inc()
+                self._child(self.metrics.spec_propose_seconds, self.proposer.name).inc(time.perf_counter() - t0)
+                self._child(self.metrics.spec_propose_steps, self.proposer.name).inc()
         return bool(spec)
 
     @staticmethod
@@ -123,7 +137,7 @@ class SpecDecoder:
     def keep_features(self, req, rows: torch.Tensor):
         """The target's features of the request's newly verified positions (the draft head's input)."""
         st = self.state(req)
-        st.features = rows if st.features is None else torch.cat([st.features, rows])
+        st.feature_rows.append(rows)
         if self.learner is not None:
             self.learner.keep(req, rows)
 
@@ -160,12 +174,20 @@ class SpecDecoder:
             st.accepted_at.extend([0] * (proposed - len(st.accepted_at)))
         for i in range(accepted):
             st.accepted_at[i] += 1
-        m = self.metrics
+        m, child = self.metrics, self._child
         m.spec_verify_steps.inc()
         m.spec_draft_tokens.inc(proposed)
-        m.spec_proposer_steps.labels(source).inc()
-        m.spec_proposer_draft_tokens.labels(source).inc(proposed)
-        m.spec_proposer_accepted_tokens.labels(source).inc(accepted)
+        child(m.spec_proposer_steps, source).inc()
+        child(m.spec_proposer_draft_tokens, source).inc(proposed)
+        child(m.spec_proposer_accepted_tokens, source).inc(accepted)
         m.spec_emitted_tokens.inc(emitted)
         for i in range(accepted):
-            m.spec_accepted_at.labels(str(i + 1)).inc()
+            child(m.spec_accepted_at, str(i + 1)).inc()
+
+    def _child(self, metric, label: str):
+        """metric.labels(label), looked up once (prometheus_client's lookup costs a few us, several per step)."""
+        key = (id(metric), label)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(label)
+        return c
