@@ -210,6 +210,22 @@ def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plai
             assert [o.token_ids for o in outs] == [o.token_ids for o in llm.generate(fresh[name], off)]
 
 
+def test_prompt_is_indexed_in_its_prefill_step(llm32):
+    """The request's own suffix index covers its prompt once the step that prefills it has run, before any decode
+    step (a long prompt's indexing is prompt work, not a first decode step ms longer); a request that may not
+    draft gets none."""
+    eng = llm32.engine
+    ids = llm32.tokenizer.encode("Count: " + " ".join(str(i) for i in range(120)))
+    may = eng.add_request(prompt_ids=ids, params=SamplingParams(temperature=0, max_tokens=4))
+    opted_out = eng.add_request(prompt_ids=ids[:-1], params=SamplingParams(temperature=0, max_tokens=4,
+                                                                           speculative=False))
+    eng.step()
+    assert len(may.output_ids) == 1 and eng.spec.states[may.request_id].suffix.length() == len(ids)
+    assert opted_out.request_id not in eng.spec.states or eng.spec.states[opted_out.request_id].suffix is None
+    while eng.has_unfinished():
+        eng.step()
+
+
 def test_hybrid_drafts_the_prefix_that_pays_for_its_rows():
     """A step's time as a line in its rows (decayed least squares over decode and verify steps); the suffix draft is
     cut where one more row costs more than its expected acceptance brings, learned per match length from how the

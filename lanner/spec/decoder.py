@@ -82,9 +82,7 @@ class SpecDecoder:
         room = draft_room(req)
         if p.unverified_draft:  # data generation: drafts at any batch size
             return min(p.unverified_draft, room)
-        if batch_size > self.config.spec_max_batch or not p.speculative:
-            return 0
-        if p.has_penalties or p.logprobs is not None or p.logit_bias:  # the verifier applies none of them
+        if batch_size > self.config.spec_max_batch or not self._may_draft(req):
             return 0
         # constrained requests also draft the tokens their grammar forces (lanner.structured.propose_drafts)
         k = max(self.config.draft_limit if self.proposer is not None else 0,
@@ -93,12 +91,23 @@ class SpecDecoder:
             return k  # a tree's paths, not its node count, stay within the room (the proposer cuts them there)
         return min(k, room)
 
+    @staticmethod
+    def _may_draft(req) -> bool:
+        """Whether the request's sampling allows drafts at all (the verifier applies no penalties, logprobs or
+        logit bias)."""
+        p = req.params
+        return p.speculative and not (p.has_penalties or p.logprobs is not None or p.logit_bias)
+
     def propose(self, items) -> bool:
         """Fills the drafts of the scheduled items that may speculate; -> whether any may."""
         for it in items:
             if it.admitted:  # the KV system (re)starts it at it.start: what the draft held past that is gone
                 st = self.state(it.request)
                 st.computed, st.features = it.start, None
+            if self.proposer is not None and it.samples and not it.request.output_ids and self._may_draft(it.request):
+                # the step that ends the prompt's prefill: per-prompt drafting work (a suffix index over the
+                # prompt, ~3 us per token) is done with the prompt, not in the first decode step
+                self.proposer.prepare(it.request, self.state(it.request))
         spec = [it for it in items if it.num_spec > 0]
         if spec:
             t0 = time.perf_counter()

@@ -186,6 +186,9 @@ class HybridProposer(Proposer):
                 out[i] = d
         return out
 
+    def prepare(self, req, st):
+        self.suffix.prepare(req, st)
+
     def after_step(self, seconds: float, rows: int):
         self.cost.add(rows, seconds)
 

@@ -25,6 +25,10 @@ class Proposer:
     def propose(self, requests, ks: list[int], states) -> list[tuple[list[int], torch.Tensor | None]]:
         raise NotImplementedError
 
+    def prepare(self, req, st):
+        """Called in the step that ends a request's prompt prefill (when it may draft): per-prompt work that would
+        otherwise land in its first decode step."""
+
     def after_verify(self, req, st, num_proposed: int, num_accepted: int, tokens_before: int):
         """Called once the target verified; lets stateful proposers roll their KV back."""
 

@@ -79,6 +79,9 @@ class SuffixProposer(Proposer):
             st.suffix.extend(req.all_ids[n:])
         return st.suffix
 
+    def prepare(self, req, st):
+        self.index(req, st)
+
     def draft(self, req, st, k: int) -> Draft:
         """The request's draft of up to k tokens (a tree: k nodes, paths of up to max_depth tokens): the better of
         its own index's and the shared index's."""
