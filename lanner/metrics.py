@@ -15,6 +15,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.
 class EngineMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
+        self._children: dict = {}  # (metric, labels) -> its child (child())
         self.ttft = Histogram("lanner_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.tpot = Histogram("lanner_time_per_output_token_seconds", "Mean time per output token of a request",
@@ -64,6 +65,15 @@ class EngineMetrics:
                                               ["plugin", "kind"], registry=r)
         self.plugin_build_bytes = Gauge("lanner_plugin_build_bytes", "Memory a plugin's build hook took off the KV "
                                         "budget", ["plugin"], registry=r)
+
+    def child(self, metric, *labels: str):
+        """metric.labels(*labels), looked up once per engine: prometheus_client's lookup costs a few us, and the
+        per-step counters (plugin steps, speculation by proposer and position) take several a step."""
+        key = (id(metric), labels)
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*labels)
+        return c
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -139,7 +139,6 @@ class PluginRuntime:
         self.metrics, self.verify_steps = metrics, verify_steps
         self.verified: dict[tuple[str, str], int] = {}
         self.counts: dict[tuple[str, str], int] = {}  # (plugin or "none", kind) -> calls, also in /metrics
-        self._counters: dict[tuple[str, str], object] = {}  # their /metrics children
         self.last: Plugin | None = None  # the plugin that ran the latest forward, for its logits
 
     @property
@@ -150,9 +149,7 @@ class PluginRuntime:
         key = (name, kind)
         self.counts[key] = self.counts.get(key, 0) + 1
         if self.metrics is not None:
-            if key not in self._counters:  # (prometheus' labels() lookup costs more than the increment)
-                self._counters[key] = self.metrics.plugin_steps.labels(name, kind)
-            self._counters[key].inc()
+            self.metrics.child(self.metrics.plugin_steps, name, kind).inc()
 
     def forward(self, step: Step, module, *args):
         kind = step.kind.value

@@ -68,7 +68,6 @@ class SpecDecoder:
         self.proposer, self.config, self.metrics = proposer, config, metrics
         self.states: dict[str, DraftState] = {}
         self.learner = None  # lanner.spec.learn.DraftLearner under --learn-draft: keeps the verified features
-        self._children: dict = {}  # (metric, label) -> its prometheus child (_child)
 
     def state(self, req) -> DraftState:
         st = self.states.get(req.request_id)
@@ -121,8 +120,8 @@ class SpecDecoder:
             with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
                 propose_drafts(draft, rollback, spec, self.config.draft_limit, self.config.grammar_draft_tokens > 0)
             if self.proposer is not None:
-                self._child(self.metrics.spec_propose_seconds, self.proposer.name).inc(time.perf_counter() - t0)
-                self._child(self.metrics.spec_propose_steps, self.proposer.name).inc()
+                self.metrics.child(self.metrics.spec_propose_seconds, self.proposer.name).inc(time.perf_counter() - t0)
+                self.metrics.child(self.metrics.spec_propose_steps, self.proposer.name).inc()
         return bool(spec)
 
     @staticmethod
@@ -183,7 +182,8 @@ class SpecDecoder:
             st.accepted_at.extend([0] * (proposed - len(st.accepted_at)))
         for i in range(accepted):
             st.accepted_at[i] += 1
-        m, child = self.metrics, self._child
+        m = self.metrics
+        child = m.child
         m.spec_verify_steps.inc()
         m.spec_draft_tokens.inc(proposed)
         child(m.spec_proposer_steps, source).inc()
@@ -193,10 +193,3 @@ class SpecDecoder:
         for i in range(accepted):
             child(m.spec_accepted_at, str(i + 1)).inc()
 
-    def _child(self, metric, label: str):
-        """metric.labels(label), looked up once (prometheus_client's lookup costs a few us, several per step)."""
-        key = (id(metric), label)
-        c = self._children.get(key)
-        if c is None:
-            c = self._children[key] = metric.labels(label)
-        return c
