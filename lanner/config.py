@@ -36,7 +36,8 @@ class EngineConfig:
     # ---- model
     model: str | None = option(None, "model", "Hugging Face model folder or .gguf file (default: the bundled "
                                "SmolLM2-135M-Instruct)")
-    # 'auto' is resolved at construction (_resolve_weights_and_dtype): the fields then hold what the engine runs
+    # 'auto' dtype is resolved at construction (_resolve_weights_and_dtype); 'auto' weights at load
+    # (weights_planned, then lanner.engine.loading.load_target: the engine's `weights` says what it runs)
     dtype: str = option("auto", "model", "weights (dequantized ones), activations and KV dtype; 'auto': float32 when "
                         "GGUF blocks stay as stored on a CPU without bf16 arithmetic (AVX512_BF16 / AMX), else "
                         "bfloat16", choices=["auto", *sorted(DTYPES)])
@@ -170,6 +171,7 @@ class EngineConfig:
             raise ValueError(f"spec_max_tokens: must be an integer in 1..{SPEC_MAX_TOKENS}, "
                              f"got {self.spec_max_tokens!r}")
         self._check_spec_tree()
+        self._check_draft()
         if self.plugin_verify < 0:
             raise ValueError("plugin_verify: must be >= 0")
         if self.plugin_options is not None and not (isinstance(self.plugin_options, dict) and all(
@@ -232,6 +234,32 @@ class EngineConfig:
             raise ValueError(f"spec_tree: tree verification runs on the paged KV cache at tp=1, not with "
                              f"{'kv_tier' if self.kv_tier is not None else f'tp={self.tp}'}")
 
+    def _check_draft(self):
+        from lanner.spec.drafts import DraftKind
+
+        kind = self.draft_kind
+        if self.kv_tier is not None and kind is DraftKind.MODEL:
+            raise ValueError(f"draft: over kv_tier={self.kv_tier!r} drafts come from a draft head, the checkpoint's "
+                             f"MTP layer, or spec='ngram' / 'suffix'; {self.draft!r} is a standalone draft model")
+        if self.spec_tree and kind in (DraftKind.MODEL, DraftKind.MTP):
+            raise ValueError(f"spec_tree: draft trees come from the suffix index or a draft head, not from "
+                             f"draft={self.draft!r}")
+        if self.learn_draft is not None and kind is not DraftKind.HEAD:
+            raise ValueError(f"learn_draft: trains an EAGLE-style draft head; draft={self.draft!r} is not one")
+
+    def check_model(self, model_config):
+        """What only the loaded model's config can tell (called by the engine once it has it)."""
+        if self.spec_tree and model_config.family != "llama":  # its forward takes the tree mask as given
+            raise ValueError(f"spec_tree: tree verification covers Llama-family models, not "
+                             f"{model_config.architecture}")
+
+    @property
+    def draft_kind(self):
+        """lanner.spec.drafts.DraftKind of the draft speculation uses (None: none)."""
+        from lanner.spec.drafts import draft_kind
+
+        return draft_kind(self.draft) if self.spec in ("draft", "hybrid") else None
+
     @property
     def draft_limit(self) -> int:
         """Most draft tokens a request may verify per step: suffix drafts reach spec_max_tokens (a tree:
@@ -253,18 +281,24 @@ class EngineConfig:
         blocks the dtype is only activations, KV and the few unquantized tensors, so float32 costs KV memory alone,
         and on a CPU without bf16 arithmetic PyTorch's bf16 prefill GEMMs run ~4x slower (TTFT P50 4.1 s vs
         0.86 s on the replay); else bfloat16, half the memory of dequantized weights."""
-        if self.weights == "auto":
-            gguf = self.model is None or str(self.model).lower().endswith(".gguf")
-            plugins = str(self.plugin or "none").split(",")
-            lowlat_allowed = plugins == ["auto"] or "lowlat" in plugins
-            runs_lowlat = self.device == "cpu" and self.tp == 1 and self.kv_tier is None and lowlat_allowed
-            self.weights = "stored" if gguf and runs_lowlat else "dequantize"
-            self.weights_auto = True  # load_target dequantizes after all when no plugin it picks runs the blocks
         if self.dtype == "auto":
             from lanner.cpu import native_bf16
 
-            cpu_f32 = self.weights == "stored" and self.device == "cpu" and not native_bf16()
+            cpu_f32 = self.weights_planned == "stored" and self.device == "cpu" and not native_bf16()
             self.dtype = "float32" if cpu_f32 else "bfloat16"
+
+    @property
+    def weights_planned(self) -> str:
+        """'stored' or 'dequantize': `weights` with 'auto' decided from the config alone. The loader still
+        dequantizes an 'auto' that planned 'stored' when no plugin it picks runs the blocks (an architecture lowlat
+        does not cover: the engine's own forward then runs it all): lanner.engine.loading.load_target."""
+        if self.weights != "auto":
+            return self.weights
+        gguf = self.model is None or str(self.model).lower().endswith(".gguf")
+        plugins = str(self.plugin or "none").split(",")
+        lowlat_allowed = plugins == ["auto"] or "lowlat" in plugins
+        runs_lowlat = self.device == "cpu" and self.tp == 1 and self.kv_tier is None and lowlat_allowed
+        return "stored" if gguf and runs_lowlat else "dequantize"
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -5,14 +5,15 @@ it once per distinct constraint (an LRU keyed by its canonical JSON) and gives e
 `GrammarState` (an xgrammar matcher). The sampler masks constrained rows with token bitmasks, batched with
 unconstrained rows; the engine advances the matcher on every accepted token.
 
-With speculation, `GrammarState.check_draft` cuts a draft where the grammar rejects it and returns one bitmask
-per verify row, and `forced_tokens` gives the tokens the grammar alone determines (`{"name": "` after the
+With speculation (lanner.spec.decoder), `GrammarState.check_draft` cuts a draft where the grammar rejects it and
+returns one bitmask per verify row, and `forced_tokens` gives the tokens the grammar alone determines (`{"name": "` after the
 tool-call tag): they join the draft without a proposer. That stays lossless because the target verifies them
 under the mask like any other draft token.
 """
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -118,7 +119,8 @@ def check_schema(schema, where: str):
 
 
 class Grammars:
-    """The engine's grammar compiler over its tokenizer, and an LRU of compiled grammars."""
+    """The engine's grammar compiler over its tokenizer, and an LRU of compiled grammars. Thread-safe: requests
+    are made (and their grammars compiled) on the server's worker threads."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, stop_token_ids: list[int], cache_size: int = 128):
         import xgrammar as xgr  # imported on first use: it takes seconds, and most engines never constrain
@@ -131,8 +133,13 @@ class Grammars:
         self.cache: OrderedDict[str, "xgr.CompiledGrammar"] = OrderedDict()
         self.cache_size = cache_size
         self.hits = self.misses = 0
+        self.lock = threading.Lock()
 
     def compile(self, so: StructuredOutput) -> "xgr.CompiledGrammar":
+        with self.lock:  # (a grammar two threads compile at once is compiled once)
+            return self._compile(so)
+
+    def _compile(self, so: StructuredOutput) -> "xgr.CompiledGrammar":
         key = so.key()
         compiled = self.cache.get(key)
         if compiled is not None:
@@ -204,6 +211,25 @@ class GrammarState:
             self.matcher.rollback(n)
         return n, bitmask[: n + 1]
 
+    def extend_forced(self, draft, limit: int):
+        """A lanner.spec.base.Draft + the tokens this grammar forces after it (when it accepts the whole draft), up to
+        `limit` tokens. Forced tokens are certain, so their draft distribution is one-hot."""
+        n = 0
+        for tok in draft.tokens:
+            if not self.matcher.accept_token(tok):
+                break
+            n += 1
+        forced = self.forced_tokens(limit - len(draft.tokens)) if n == len(draft.tokens) else []
+        if n:
+            self.matcher.rollback(n)
+        if not forced:
+            return draft
+        probs = draft.probs
+        if probs is not None:
+            probs = torch.cat([probs, torch.nn.functional.one_hot(torch.tensor(forced, device=probs.device),
+                                                                  probs.shape[-1]).to(probs.dtype)])
+        return type(draft)(draft.tokens + forced, probs)
+
 
 def mask_logits(logits: torch.Tensor, states: list[GrammarState | None]) -> torch.Tensor:
     """Masks each row i whose states[i] is set to its grammar's legal tokens, in place: the caller owns `logits`
@@ -242,76 +268,3 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
     bits = (bitmask[:, :, None] >> shifts) & 1
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
-
-
-def propose_drafts(draft, rollback, items, spec_tokens: int, forced_drafts: bool):
-    """Fills draft, draft_probs, num_proposed and masks of each speculating item (lanner.engine.scheduler).
-    draft(requests, ks) -> the proposer's (tokens, probabilities[, tree parents]) per request, or None without a
-    proposer; rollback(request, proposed) tells the proposer a whole draft was cut. A constrained request verifies
-    chains only: a tree is cut to its first path (the most likely one in a best-first tree).
-
-    A constrained request whose grammar forces tokens from here drafts those and skips the proposer. Other drafts
-    come from the proposer (at most spec_tokens), are cut where the grammar rejects them, then extended by what the
-    grammar forces after them. Every verify row of a constrained item gets its grammar mask."""
-    ask = []
-    for it in items:
-        g = it.request.grammar
-        forced = g.forced_tokens(it.num_spec) if g is not None and forced_drafts else []
-        if forced:
-            it.draft, it.draft_probs, it.num_proposed = forced, None, 0
-        elif draft is not None:
-            ask.append(it)
-    if ask:
-        ks = [min(it.num_spec, spec_tokens) for it in ask]
-        for it, (tokens, probs, *tree) in zip(ask, draft([it.request for it in ask], ks)):
-            parents = tree[0] if tree else None
-            if parents is not None and it.request.grammar is not None:
-                tokens, parents = first_path(tokens, parents), None
-            it.draft, it.draft_probs, it.num_proposed = list(tokens), probs, len(tokens)
-            it.draft_parents = list(parents) if parents is not None else None
-    for it in items:
-        g = it.request.grammar
-        if g is None:
-            continue
-        if it.num_proposed and forced_drafts:
-            it.draft, it.draft_probs = _extend_forced(g, it.draft, it.draft_probs, it.num_spec)
-        n, it.masks = g.check_draft(it.draft)
-        if n < len(it.draft):
-            it.draft = it.draft[:n]
-            it.draft_probs = None if it.draft_probs is None else it.draft_probs[:n]
-        if it.num_proposed > n:
-            if n == 0:  # nothing left to verify: the proposer rolls back now
-                rollback(it.request, it.num_proposed)
-            it.num_proposed = n
-        if not it.draft:
-            it.masks = None  # a plain step: the sampler masks its one row
-
-
-def first_path(tokens: list[int], parents: list[int]) -> list[int]:
-    """A tree's path that always takes a node's first child."""
-    path, at = [], -1
-    for i, (tok, parent) in enumerate(zip(tokens, parents)):
-        if parent == at:  # parents come before their children
-            path.append(tok)
-            at = i
-    return path
-
-
-def _extend_forced(g: GrammarState, draft: list[int], probs, limit: int):
-    """draft + the tokens the grammar forces after it (when it accepts the whole draft), up to `limit` tokens.
-    Forced tokens are certain, so their draft distribution is one-hot."""
-    n = 0
-    for tok in draft:
-        if not g.matcher.accept_token(tok):
-            break
-        n += 1
-    forced = g.forced_tokens(limit - len(draft)) if n == len(draft) else []
-    if n:
-        g.matcher.rollback(n)
-    if not forced:
-        return draft, probs
-    if probs is not None:
-        probs = torch.cat([probs, torch.nn.functional.one_hot(torch.tensor(forced, device=probs.device),
-                                                              probs.shape[-1]).to(probs.dtype)])
-    return draft + forced, probs
-

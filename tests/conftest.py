@@ -2,12 +2,23 @@ import contextlib
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import uvicorn
 
 from lanner import LLM
+
+# tests that take over ~10 s each on the 2-core CI machine (model loads and compiles included), by node id without
+# parameters: `pytest -m "not slow"` runs the rest (README). Regenerate from `pytest --durations=0` output.
+SLOW = set(Path(__file__).with_name("slow_tests.txt").read_text().split())
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid.split("[")[0] in SLOW:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -173,7 +173,7 @@ def test_local_layers_keep_only_the_window(folder, model, hf, plugin):
     held = []
     while eng.has_unfinished():
         eng.step()
-        for g, table in enumerate(req.group_tables if not req.finished else [], 1):
+        for g, table in enumerate(kv.scheduler.tables[req.request_id].groups if not req.finished else [], 1):
             first = kv.layout.first_kept_block(g, req.num_computed, 4)
             assert all(b >= 0 for b in table[first:]) and all(b < 0 for b in table[:first])
             held.append(len(table) - first)

@@ -72,7 +72,7 @@ def test_draft_tree_verify_matches_own_forward():
                "# Now a loop version:\n"]
     trees = []
     verify = llm.engine.spec.verify
-    llm.engine.spec.verify = lambda it, logits: trees.append(it.draft_parents) or verify(it, logits)
+    llm.engine.spec.verify = lambda it, logits: trees.append(it.draft.parents) or verify(it, logits)
     got = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
     counts = dict(llm.engine.plugins.counts)
     with own_forward(llm):

@@ -115,7 +115,7 @@ def test_head_tree_greedy_is_lossless(plain_outputs):
     llm = LLM(dtype="float32", weights="dequantize", spec="draft", draft="default", spec_tree=8)
     trees = []
     verify = llm.engine.spec.verify
-    llm.engine.spec.verify = lambda it, logits: trees.append(it.draft_parents) or verify(it, logits)
+    llm.engine.spec.verify = lambda it, logits: trees.append(it.draft.parents) or verify(it, logits)
     alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS[:4]]
     assert [o.token_ids for o in alone] == plain_outputs[:4]
     batch = llm.generate(PROMPTS[:4], GREEDY)
@@ -208,7 +208,7 @@ def test_sampled_distribution_is_unchanged(tiny, spec, temp, top_p):
     n = 20000
     trees = []  # the draft trees verification saw
     verify = llm.engine.spec.verify
-    llm.engine.spec.verify = lambda it, logits: trees.append(it.draft_parents) or verify(it, logits)
+    llm.engine.spec.verify = lambda it, logits: trees.append(it.draft.parents) or verify(it, logits)
     outs = llm.generate([PROMPT] * n, params)
     assert all(len(o.token_ids) == 3 for o in outs)
     assert sum(o.metrics["spec_verify_steps"] for o in outs) > n // 4  # drafts really were verified

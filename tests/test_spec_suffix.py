@@ -12,11 +12,10 @@ from lanner import LLM, SamplingParams
 from lanner.cli import build_parser, engine_kwargs
 from lanner.config import EngineConfig
 from lanner.engine.sampling import processed_probs
-from lanner.spec.decoder import DraftState
-from lanner.spec.hybrid import HybridProposer, StepCost
-from lanner.spec.suffix import SuffixProposer, extension, scope_of, step_cost_ms
+from lanner.spec.hybrid import HybridProposer, HybridState, StepCost
+from lanner.spec.suffix import SuffixProposer, SuffixState, extension, scope_of, step_cost_ms
 from lanner.spec.verify import verify_tree
-from lanner.structured import first_path
+from lanner.spec.base import first_path
 
 PROMPTS = [
     "Repeat exactly: red, green, blue, red, green, blue, red, green, blue",
@@ -64,7 +63,7 @@ def test_shared_index_is_scoped_by_user_and_evicts_oldest_first():
     proposer.finish(Req([1, 2, 3] + text, user="alice", prompt_len=3))
 
     def draft(req, k):
-        return proposer.draft(req, DraftState(), k).tokens
+        return proposer.draft(req, SuffixState(), k).tokens
 
     query = [50, 51] + text[:6]  # the request's own text never saw this continuation
     assert draft(Req(query, user="alice"), 8) == text[6:12]  # as long as the 6-token match
@@ -167,7 +166,7 @@ def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plai
     verified = []  # the trees verification saw: some must branch (the code prompt's "fib(n - 1)" / "fib(n - 2)")
     if spec == "suffix-tree":
         verify = llm.engine.spec.verify
-        llm.engine.spec.verify = lambda it, logits: verified.append(it.draft_parents) or verify(it, logits)
+        llm.engine.spec.verify = lambda it, logits: verified.append(it.draft.parents) or verify(it, logits)
     alone = [llm.generate(p, GREEDY)[0] for p in PROMPTS]
     assert [o.token_ids for o in alone] == plain
     # a mixed batch of 4 (one opts out), the prompts now in the prefix cache and the outputs in the shared index
@@ -220,8 +219,8 @@ def test_prompt_is_indexed_in_its_prefill_step(llm32):
     opted_out = eng.add_request(prompt_ids=ids[:-1], params=SamplingParams(temperature=0, max_tokens=4,
                                                                            speculative=False))
     eng.step()
-    assert len(may.output_ids) == 1 and eng.spec.states[may.request_id].suffix.length() == len(ids)
-    assert opted_out.request_id not in eng.spec.states or eng.spec.states[opted_out.request_id].suffix is None
+    assert len(may.output_ids) == 1 and eng.spec.states[may.request_id].suffix.index.length() == len(ids)
+    assert opted_out.request_id not in eng.spec.states or eng.spec.states[opted_out.request_id].suffix.index is None
     while eng.has_unfinished():
         eng.step()
 
@@ -230,7 +229,7 @@ def test_hybrid_drafts_the_prefix_that_pays_for_its_rows():
     """A step's time as a line in its rows (decayed least squares over decode and verify steps); the suffix draft is
     cut where one more row costs more than its expected acceptance brings, learned per match length from how the
     verified suffix drafts fared."""
-    from lanner.spec.suffix import Draft
+    from lanner.spec.suffix import SuffixDraft as Draft
 
     cost = StepCost()
     for _ in range(4):
@@ -244,8 +243,8 @@ def test_hybrid_drafts_the_prefix_that_pays_for_its_rows():
     assert p.best_suffix(draft, timed=True)[:2] == (pytest.approx(2.4 / 1.5), 2)
     long_match = Draft([5, 6, 7], 1.6, probs=[0.9, 0.5, 0.2], match=12)
     for _ in range(40):  # drafts on a 2-token match were rejected at their first token, on a 12-token one accepted
-        p.after_verify(None, DraftState(source="suffix", suffix_chain=(draft.probs[:2], 2)), 2, 0, 0)
-        p.after_verify(None, DraftState(source="suffix", suffix_chain=(long_match.probs, 12)), 3, 3, 0)
+        p.after_verify(None, HybridState(source="suffix", suffix_chain=(draft.probs[:2], 2)), 2, 0, 0)
+        p.after_verify(None, HybridState(source="suffix", suffix_chain=(long_match.probs, 12)), 3, 3, 0)
     assert p.best_suffix(draft, timed=True)[1] == 0  # no draft pays on a short match
     assert p.best_suffix(long_match, timed=True)[1] == 3  # a long one now expects more than the frequencies said
     assert p.best_suffix(draft, timed=False)[1] == 3  # a seeded sample: the whole draft, whatever the times

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lanner.kvcache.lru import PBLRU, ExactLRU
-from lanner.engine.ula_dense import UlaDecoder, UlaSession
+from lanner.kvcache.ula.quest_decoder import UlaDecoder, UlaSession
 from lanner.kvcache.ula import CacheFull, GpuOnly, HiSparse, TieredStore, UlaDP, UlaTP, entry_shape
 
 SHAPE = (2, 2, 1, 4)  # unit tests: an entry of 2 layers x (K, V) x 1 head x 4 dims

@@ -8,7 +8,7 @@ from lanner import LLM, SamplingParams
 from lanner.cli import build_parser, engine_kwargs
 from lanner.config import EngineConfig
 from lanner.engine.llm_engine import RequestError
-from lanner.engine.kv_ula import UlaKV
+from lanner.kvcache.ula.system import UlaKV
 
 SPARSE = {"dtype": "float32", "sparse_budget": 32, "sparse_page": 16, "sparse_group": 10}
 # 6 prompts of ~200 tokens: each decode query reads 2 of ~13 pages per layer group
@@ -199,3 +199,31 @@ def test_dsa_model_over_ula_tp_with_two_ranks_matches_the_paged_engine(glm_folde
         assert cache.stats["remote"] > 0 and cache.store.evicted > 0 and cache.store.loaded > 0
         assert not cache.requests
         eng.kv.decoder.cache.store.check()
+
+
+def test_both_kv_systems_implement_the_kv_system_contract(llm32):
+    """PagedKV and UlaKV each have every member of lanner.engine.kv_system.KVSystem, methods with its signatures,
+    and the engine reaches its KV system through no other name."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    from lanner.engine import llm_engine
+    from lanner.engine.kv_system import KVSystem
+
+    ula = LLM(kv_tier="ula-dp", kv_device_gb=0.005, kv_host_gb=0.01, **SPARSE).engine.kv
+    members = {n for n in dir(KVSystem) if not n.startswith("_")} | set(KVSystem.__annotations__)
+    for kv in (llm32.engine.kv, ula):
+        assert isinstance(kv, KVSystem)
+        for name in members:
+            assert hasattr(kv, name), f"{type(kv).__name__} lacks {name}"
+            want = getattr(KVSystem, name, None)
+            if inspect.isfunction(want):
+                assert list(inspect.signature(getattr(kv, name)).parameters) == \
+                       list(inspect.signature(want).parameters)[1:], f"{type(kv).__name__}.{name}"
+    assert llm32.engine.kv.supports_trees and not ula.supports_trees
+    with pytest.raises(ValueError, match="chains only"):
+        ula.keep_path(None, 0, [0])
+    used = {node.attr for node in ast.walk(ast.parse(Path(llm_engine.__file__).read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "kv"}
+    assert used <= members, used - members

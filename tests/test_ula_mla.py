@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from lanner.engine.runner import ModelRunner, SeqChunk
-from lanner.engine.ula_mla import MlaDecoder, mla_entry_shape, mla_kv_bytes, selection_groups
+from lanner.kvcache.ula.mla_decoder import MlaDecoder, mla_entry_shape, mla_kv_bytes, selection_groups
 from lanner.kvcache.ula import CacheFull, GpuOnly, HiSparse, UlaDP, UlaTP
 from lanner.models.loader import ModelSource, load_model
 from lanner.models.tiny import make_tiny_model

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 def worker(rank, port, folder, out, system, batch):
     from lanner.bench.kv_capacity import _load_tiny, _mla_prompts
     from lanner.distributed import destroy_tp, init_tp
-    from lanner.engine.ula_mla import MlaDecoder, mla_entry_shape
+    from lanner.kvcache.ula.mla_decoder import MlaDecoder, mla_entry_shape
     from lanner.kvcache.ula import make_backend
 
     torch.set_num_threads(1)

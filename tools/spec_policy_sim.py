@@ -20,9 +20,8 @@ import statistics
 from types import SimpleNamespace
 
 from lanner.bench.sessions import DEFAULT_SESSIONS, assistant_prompts, load_sessions
-from lanner.spec.decoder import DraftState
-from lanner.spec.hybrid import CALIB_DECAY, HybridProposer, StepCost
-from lanner.spec.suffix import SuffixProposer
+from lanner.spec.hybrid import CALIB_DECAY, HybridProposer, HybridState, StepCost
+from lanner.spec.suffix import SuffixProposer, SuffixState
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--outputs", default="/tmp/lanner_replay_greedy.json", help="greedy outputs (made when missing)")
@@ -64,7 +63,7 @@ class Shipped:
 
     def choose(self, d, truth):
         _, n, predicted = self.p.best_suffix(d, timed=True)
-        self.st = DraftState(source="suffix", suffix_predicted=predicted, suffix_chain=(d.probs[:n], d.match))
+        self.st = HybridState(source="suffix", suffix_predicted=predicted, suffix_chain=(d.probs[:n], d.match))
         return n
 
     def update(self, n, accepted):
@@ -121,7 +120,7 @@ def replay(rule) -> dict:
     for t in turns:
         out, params = t["output"], SimpleNamespace(user=None, seed=None, greedy=True)
         req = SimpleNamespace(params=params, prompt_ids=t["prompt"], max_tokens=t["max_tokens"])
-        st, pos, ms = DraftState(), 1, 0.0  # the first token comes from the prefill
+        st, pos, ms = SuffixState(), 1, 0.0  # the first token comes from the prefill
         while pos < len(out):
             req.output_ids = out[:pos]
             req.all_ids = t["prompt"] + req.output_ids

@@ -115,7 +115,7 @@ def _tp_worker(rank, port, model, prompts, args, shape, dtype, groups, out):
 
 def dense_decoder(model, cache, args):
     """(decoder, requests it admits) for the dense model: Quest selection, --group layers per entry."""
-    from lanner.engine.ula_dense import UlaDecoder
+    from lanner.kvcache.ula.quest_decoder import UlaDecoder
 
     max_len = args.doc_tokens + args.gen
     dec = UlaDecoder(model, cache, args.page_size, args.budget, args.group, max_len)
@@ -128,7 +128,7 @@ def capacity(args, engine_kwargs: dict) -> dict:
 
     from lanner.config import EngineConfig
     from lanner.kvcache.quest import long_documents
-    from lanner.engine.ula_dense import UlaDecoder
+    from lanner.kvcache.ula.quest_decoder import UlaDecoder
     from lanner.kvcache.ula import GpuOnly, entry_shape
     from lanner.models.loader import ModelSource, load_model
     from lanner.tokenizer import Tokenizer
@@ -246,7 +246,7 @@ def mla_decoder(model, system: str, args, device_gb: float, host_gb: float, grou
     """(decoder, requests it admits) for the MLA model. Every system keeps every admitted request's indexer keys
     resident on the device (on every rank: the indexer is replicated; ula-tp: each key on one rank) out of the same
     device budget: the KV pools get what n requests' keys leave, for the largest n whose KV then still fits."""
-    from lanner.engine.ula_mla import MlaDecoder, mla_entry_shape, selection_groups
+    from lanner.kvcache.ula.mla_decoder import MlaDecoder, mla_entry_shape, selection_groups
     from lanner.kvcache.ula import GB
 
     shape, groups = mla_entry_shape(model), len(selection_groups(model))
@@ -291,7 +291,7 @@ def measure_mla(model, system, args, device_gb, host_gb, prompts, group=None, sh
 
 
 def _mla_prompts(model, docs, max_len):
-    from lanner.engine.ula_mla import MlaDecoder, mla_entry_shape
+    from lanner.kvcache.ula.mla_decoder import MlaDecoder, mla_entry_shape
     from lanner.kvcache.ula import GpuOnly
 
     prefiller = MlaDecoder(model, GpuOnly(mla_entry_shape(model), model.embed_tokens.weight.dtype, 0), max_len)
@@ -332,7 +332,7 @@ def capacity_mla(args, engine_kwargs: dict) -> dict:
 
     from lanner.bench.report import fmt, markdown_table
     from lanner.config import EngineConfig
-    from lanner.engine.ula_mla import mla_entry_shape, mla_kv_bytes, selection_groups
+    from lanner.kvcache.ula.mla_decoder import mla_entry_shape, mla_kv_bytes, selection_groups
     from lanner.models.tiny import make_tiny_model
 
     cfg = EngineConfig(**engine_kwargs)

@@ -1,7 +1,8 @@
 """Asyncio front end of the synchronous engine.
 
 One daemon thread owns the LLMEngine (which is not thread-safe): it drains an inbox of add/abort commands,
-steps while there is work and sleeps on a condition variable when idle. Other threads only touch the inbox;
+steps while there is work and sleeps on a condition variable when idle. Other threads only touch the inbox and
+make requests (LLMEngine.make_request: validation, tokenization, grammar compilation, safe beside the loop);
 outputs go back to each request's asyncio.Queue through its event loop's call_soon_threadsafe.
 """
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The paged KV system: a block pool with prefix caching, the scheduler that fills it (chunked prefill,
 preemption) and the model runner that reads it. One of the engine's two KV systems (the other is UlaCache,
-lanner.engine.kv_ula); the engine talks to either through the same calls: schedule, run, commit, check_fits,
-update_gauges."""
+lanner.kvcache.ula.system); the engine talks to either through lanner.engine.kv_system.KVSystem."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +11,7 @@ from lanner.engine.loading import kv_blocks, load_target
 from lanner.engine.request import Request, RequestError
 from lanner.engine.runner import ModelRunner, SeqChunk, decode_step, encode_step
 from lanner.engine.scheduler import ScheduledItem, Scheduler
+from lanner.engine.step import StepOutput, logits_mode
 from lanner.kvcache.block_manager import BlockManager
 from lanner.kvcache.layout import KVLayout
 from lanner.plugins import Hardware, StepKind
@@ -21,7 +21,7 @@ def paged_worker(config: EngineConfig, device: str) -> dict | None:
     """A tensor-parallel worker (lanner.distributed.worker runs it on ranks > 0): its shard, its own KV pool with
     rank 0's block count, and the handlers for rank 0's calls."""
     hardware = Hardware.detect(device, config.torch_dtype, tp_size(), tp_rank())
-    model, model_config, plugin_runtime, plugin_bytes = load_target(config, hardware)
+    model, model_config, plugin_runtime, plugin_bytes, _ = load_target(config, hardware)
     layout = KVLayout.of(model, config.window_kv)
     num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype, layout), plugin_bytes)
     if num_blocks < 2:  # rank 0 raises the error that names the budget
@@ -36,6 +36,7 @@ def paged_worker(config: EngineConfig, device: str) -> dict | None:
 
 class PagedKV:
     worker = staticmethod(paged_worker)
+    supports_trees = True
 
     def __init__(self, config: EngineConfig, model, plugins, plugin_bytes: int, tp, draft_bytes: int = 0,
                  capture=()):
@@ -81,17 +82,24 @@ class PagedKV:
             lo, hi = (mid, hi) if fits else (lo, mid - 1)
         return lo
 
-    def run(self, items: list[ScheduledItem], kind: StepKind, argmax: bool = False) -> torch.Tensor:
-        """One forward over the scheduled tokens and drafts -> float32 logits: every row of a drafted item, the
-        last of one that samples, none of a prefill chunk that does not reach its end (argmax: a greedy step's,
-        the runner's argmax rows; under TP the logits, whose head is a collective every rank runs alike)."""
-        chunks = [SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft, it.start,
-                           it.request.block_table, "all" if it.draft else "last" if it.samples else "none",
-                           it.draft_parents if it.draft else None, it.request.group_tables)
-                  for it in items]
+    def run(self, items: list[ScheduledItem], kind: StepKind, argmax: bool = False) -> StepOutput:
+        """One forward over the scheduled tokens and drafts -> their rows of lanner.engine.step.StepLayout:
+        float32 logits, or with argmax a greedy step's token ids (under TP the logits, whose head is a collective
+        every rank runs alike)."""
+        tables = self.scheduler.tables
+        chunks = []
+        for it in items:
+            bt = tables[it.request.request_id]
+            chunks.append(SeqChunk(it.request.all_ids[it.start : it.start + it.num_tokens] + it.draft.tokens,
+                                   it.start, bt.table, logits_mode(it), it.draft.parents, bt.groups))
         if self.tp is None:
-            return self.runner.run(chunks, kind, argmax)
-        return self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind))
+            rows = self.runner.run(chunks, kind, argmax)
+            return StepOutput(token_ids=rows.tolist()) if argmax else StepOutput(logits=rows)
+        return StepOutput(logits=self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind)))
+
+    def block_table(self, req: Request) -> list[int]:
+        """The running request's group-0 block table (a draft's KV shares it)."""
+        return self.scheduler.tables[req.request_id].table
 
     def keep_path(self, req: Request, first: int, path: list[int]):
         """After a tree verify whose draft nodes took the slots of positions first..: the accepted nodes' KV moves
@@ -101,7 +109,8 @@ class PagedKV:
         if moves:
             bs, dev = self.block_size, self.config.device
             index = []  # per group: (source slots, destination slots)
-            for table in [req.block_table] + req.group_tables:
+            bt = self.scheduler.tables[req.request_id]
+            for table in [bt.table] + bt.groups:
                 slot = lambda p: table[p // bs] * bs + p % bs
                 index.append((torch.tensor([slot(s) for s, _ in moves], device=dev),
                               torch.tensor([slot(d) for _, d in moves], device=dev)))
@@ -113,8 +122,9 @@ class PagedKV:
     def commit(self, req: Request, finishing: bool):
         """After a step: names the verified full blocks (before a finish frees them, so they stay reusable) and
         rolls back the blocks taken for rejected draft positions."""
-        self.block_manager.commit_full_blocks(req.block_table, req.block_hashes, req.all_ids,
-                                              min(req.num_computed, req.num_tokens), req.group_tables)
+        bt = self.scheduler.tables[req.request_id]
+        self.block_manager.commit_full_blocks(bt.table, bt.hashes, req.all_ids, min(req.num_computed, req.num_tokens),
+                                              bt.groups)
         if not finishing:
             self.scheduler.trim(req)
 

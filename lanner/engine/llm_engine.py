@@ -4,41 +4,37 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
+import threading
 import time
 import weakref
 
 import torch
 
 from lanner.config import EngineConfig
-from lanner.distributed import TPError, all_gather_rows, split_sizes, tp_disabled, tp_rank, tp_size
+from lanner.distributed import TPError, all_gather_rows, split_sizes, tp_rank, tp_size
 from lanner.distributed.worker import TPGroup
 from lanner.engine.kv_paged import PagedKV
-from lanner.engine.kv_ula import UlaKV
+from lanner.engine.kv_system import KVSystem
 from lanner.engine.loading import load_target
 from lanner.engine.request import Request, RequestError, RequestOutput
-from lanner.engine.runner import ModelRunner
 from lanner.engine.sampling import SamplingParams, sample
 from lanner.engine.scheduler import QueueFullError, ScheduledItem
+from lanner.engine.step import StepLayout, StepOutput
+from lanner.kvcache.ula.system import UlaKV
 from lanner.metrics import EngineMetrics
-from lanner.models.loader import ModelSource, load_model
+from lanner.models.loader import ModelSource
 from lanner.models.quant import weight_bytes
 from lanner.plugins import Hardware, PluginVerifyError, StepKind
-from lanner.spec.draft_head import DraftHead, is_draft_head
-from lanner.spec.drafts import MTP, resolve_draft
-from lanner.spec.learn import DraftLearner, published_head
-from lanner.spec.mtp import MtpProposer, load_mtp
-from lanner.spec.hybrid import HybridProposer
-from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer, NgramProposer
-from lanner.spec.suffix import SuffixProposer
-from lanner.spec.decoder import SpecDecoder
+from lanner.spec.build import build_proposer, build_spec, load_draft
+from lanner.spec.drafts import DraftKind
+from lanner.spec.proposers import DraftHeadProposer, DraftModelProposer
 from lanner.structured import FieldError, Grammars
 from lanner.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("lanner")
 
 
-def kv_system(config: EngineConfig):
+def kv_system(config: EngineConfig) -> type[KVSystem]:
     """The KV system a config asks for: UlaCache when `kv_tier` is set, else the paged cache."""
     return UlaKV if config.kv_tier is not None else PagedKV
 
@@ -71,10 +67,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.metrics = EngineMetrics()
         self.hardware = Hardware.detect(config.device, config.torch_dtype, tp_size(), tp_rank())
-        self.model, self.model_config, self.plugins, self.plugin_bytes = load_target(config, self.hardware,
-                                                                                     self.metrics)
+        self.model, self.model_config, self.plugins, self.plugin_bytes, self.weights = load_target(
+            config, self.hardware, self.metrics)
+        config.check_model(self.model_config)
         self.weight_bytes = weight_bytes(self.model)  # before the KV cache is sized: the budget sees what is left
-        log.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, config.weights)
+        log.info("weights: %.1f MiB (%s)", self.weight_bytes / 2**20, self.weights)
         # skip_tokenizer: token ids in and out only (like vLLM's skip_tokenizer_init), e.g. for tokenizer-less models
         self.tokenizer = None if config.skip_tokenizer else Tokenizer(self.source, self.model_config.eos_token_ids,
                                                                       self.model_config.architecture)
@@ -86,61 +83,28 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.grammars = None  # lanner.structured.Grammars, built by the first constrained request
-        self._build_cache(config)
+        self._grammars_lock = threading.Lock()  # requests are made on the server's worker threads
+        self._build_kv_and_spec(config)
         log.info("loaded %s in %.1fs: %s, max_model_len %d", self.model_name, self.load_s, self.kv.summary,
                  self.max_model_len)
 
-    def _build_cache(self, config: EngineConfig):
-        """The KV system, its scheduler and the draft proposer."""
-        draft_kind, draft_model = self._load_draft() if config.spec in ("draft", "hybrid") else (None, None)
-        # an MTP layer's feature is the last layer's output: the hidden state before the final norm
-        capture = draft_model.cfg.feature_layers if draft_kind == "head" else \
-            (self.model_config.num_layers - 1,) if draft_kind == "mtp" else ()
+    def _build_kv_and_spec(self, config: EngineConfig):
+        """The KV system and its scheduler, then the speculation over them (a draft's pool shares the KV system's
+        block tables and budget, and the KV system captures the target layers a draft head reads)."""
+        draft = load_draft(config, self.source, self.model, self.model_config)
+        capture = () if draft is None else draft.capture(self.model_config.num_layers)
+        self.kv: KVSystem
         if config.kv_tier is not None:
-            if draft_kind == "model":
-                raise ValueError(f"draft: over kv_tier={config.kv_tier!r} drafts come from a draft head, the "
-                                 f"checkpoint's MTP layer, or spec='ngram' / 'suffix'; {config.draft!r} is a "
-                                 f"standalone draft model")
             self.kv = UlaKV(config, self.model, self.model_config, self.tp, capture)
         else:
-            # the draft's pool shares the target's block tables, so it shares the budget
-            draft_bytes = 0 if draft_model is None else ModelRunner.bytes_per_token(
-                draft_model.model_cfg if draft_kind == "head" else draft_model, config.torch_dtype)
+            draft_bytes = 0 if draft is None else draft.kv_bytes_per_token(config.torch_dtype)
             self.kv = PagedKV(config, self.model, self.plugins, self.plugin_bytes, self.tp, draft_bytes, capture)
         self.scheduler = self.kv.scheduler
-        proposer = None
-        if config.spec == "ngram":
-            proposer = NgramProposer(config.ngram_min, config.ngram_max)
-        elif draft_kind is not None:
-            # over UlaCache (no block tables) a head keeps blocks of its own
-            num_blocks = None if config.kv_tier is not None else self.kv.num_blocks
-            args = (num_blocks, config.block_size, config.torch_dtype, config.device, self.plugins)
-            # a head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
-            embed = self._gather_embedding() if self.tp is not None and draft_kind != "model" else None
-            with tp_disabled():
-                if draft_kind == "head":
-                    proposer = DraftHeadProposer(draft_model, self.model, *args, embed_weight=embed,
-                                                 tree=config.spec_tree, depth=config.spec_tokens)
-                elif draft_kind == "mtp":
-                    proposer = MtpProposer(draft_model, self.model, *args, embed_weight=embed)
-                else:
-                    proposer = DraftModelProposer(draft_model, *args)
-        if config.spec_tree and draft_kind in ("model", "mtp"):
-            raise ValueError(f"spec_tree: draft trees come from the suffix index or a draft head, not from "
-                             f"draft={config.draft!r}")
-        if config.spec_tree and self.model_config.family != "llama":  # its forward takes the tree mask as given
-            raise ValueError(f"spec_tree: tree verification covers Llama-family models, not "
-                             f"{self.model_config.architecture}")
-        if config.spec in ("suffix", "hybrid"):
-            suffix = SuffixProposer(max_depth=config.spec_max_tokens if config.spec_tree else 0)
-            proposer = suffix if config.spec == "suffix" else HybridProposer(suffix, proposer, config.spec_tokens)
-        self.spec = SpecDecoder(proposer, config, self.metrics)
-        if config.learn_draft is not None:
-            if draft_kind != "head":
-                raise ValueError(f"learn_draft: trains an EAGLE-style draft head; draft={config.draft!r} is not one")
-            self.spec.learner = DraftLearner(
-                config.learn_draft, draft_model, self.model.embed_tokens.weight,
-                {"base_head": resolve_draft(config.draft), "steps": config.spec_tokens, "parent_pid": os.getpid()})
+        # a head runs on rank 0 only, outside the group: it gets the whole embedding table, not the shard
+        embed = self._gather_embedding() if self.tp is not None and draft is not None and \
+            draft.kind is not DraftKind.MODEL else None
+        proposer = build_proposer(config, draft, self.model, self.kv, self.plugins, embed)
+        self.spec = build_spec(config, draft, proposer, self.model.embed_tokens.weight, self.metrics)
 
     @property
     def proposer(self):
@@ -167,35 +131,12 @@ class LLMEngine:
             if self.failed is None:
                 self.failed = TPError("the engine was closed")
 
-    def _load_draft(self):
-        """-> ("head", DraftHead) for an EAGLE-style head folder, ("mtp", MtpLayer) for the target checkpoint's own
-        MTP layer, else ("model", standalone draft model). Built outside the tensor-parallel group: drafts run whole
-        on rank 0. (An MtpLayer's KV bytes per token come from its kv_cache_shapes, like a draft model's.)"""
-        path, tcfg = resolve_draft(self.config.draft), self.model_config
-        if self.config.learn_draft is not None:  # a restart serves the newest head it learned
-            path = published_head(self.config.learn_draft) or path
-        with tp_disabled():
-            if path == MTP:
-                return "mtp", load_mtp(self.source, self.model, self.config.torch_dtype, self.config.device)
-            if is_draft_head(path):
-                head = DraftHead.load(path, self.config.torch_dtype, self.config.device)
-                hc = head.cfg
-                if hc.target_vocab_size != tcfg.vocab_size or hc.hidden_size != tcfg.hidden_size or \
-                        max(hc.feature_layers) >= tcfg.num_layers:
-                    raise ValueError(f"draft: the head at {path} was built for another target (vocab "
-                                     f"{hc.target_vocab_size}, hidden {hc.hidden_size}); this model has vocab "
-                                     f"{tcfg.vocab_size}, hidden {tcfg.hidden_size}")
-                return "head", head
-            draft, cfg = load_model(ModelSource.resolve(path), self.config.torch_dtype, self.config.device)
-        if cfg.vocab_size != tcfg.vocab_size:
-            raise ValueError(f"draft: its vocabulary ({cfg.vocab_size}) differs from the target's "
-                             f"({tcfg.vocab_size}); a draft model must share the tokenizer")
-        return "model", draft
-
     # ------------------------------------------------------------------ requests
     def make_request(self, prompt: str | list[int] | None, params: SamplingParams | None = None,
                      request_id: str | None = None, prompt_ids: list[int] | None = None) -> Request:
-        """Validates and tokenizes; raises RequestError naming the field. Does not queue."""
+        """Validates and tokenizes; raises RequestError naming the field. Does not queue. Runs on the server's
+        worker threads beside the engine thread: it reads the engine's state and writes only the grammar cache,
+        which is locked."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         if prompt_ids is None:
@@ -242,8 +183,9 @@ class LLMEngine:
             raise RequestError("structured output needs a tokenizer", "response_format")
         if params.unverified_draft:
             raise RequestError("unverified_draft cannot be constrained by a grammar", "unverified_draft")
-        if self.grammars is None:  # imports xgrammar (seconds): only once a request needs it
-            self.grammars = Grammars(self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids)
+        with self._grammars_lock:
+            if self.grammars is None:  # imports xgrammar (seconds): only once a request needs it
+                self.grammars = Grammars(self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids)
         try:
             return self.grammars.state(params.structured, max_rollback=self.config.spec_tokens +
                                        self.config.grammar_draft_tokens + 1)
@@ -305,11 +247,12 @@ class LLMEngine:
                 drafted = self.spec.propose(items)
                 kind = StepKind.PREFILL if any(it.num_tokens > 1 for it in items) else \
                     StepKind.VERIFY if drafted else StepKind.DECODE
+                layout = StepLayout.of(items)
                 t_forward = time.perf_counter()
-                logits = self.kv.run(items, kind, self._argmax_only(items))
-                emitted = self._verify_and_sample(items, logits)
+                out = self.kv.run(items, kind, self._argmax_only(items))
+                emitted = self._verify_and_sample(items, layout, out)
                 if kind != StepKind.PREFILL:  # forward + verify: the tokens are on the host now
-                    self.spec.after_step(time.perf_counter() - t_forward, sum(1 + len(it.draft) for it in items))
+                    self.spec.after_step(time.perf_counter() - t_forward, layout.token_rows[-1].stop)
             except TPError as e:  # the ranks are out of step: fail everything, refuse new work
                 self._fail_engine(e)
                 raise
@@ -323,7 +266,7 @@ class LLMEngine:
                     self._finish(it.request, "error")
                     outputs.append(self._output(it.request))
                 return outputs
-            outputs += self._postprocess(items, emitted)
+            outputs += self._postprocess(items, layout, emitted)
         self._update_gauges()
         return outputs
 
@@ -350,45 +293,41 @@ class LLMEngine:
                 return False
         return True
 
-    def _verify_and_sample(self, items: list[ScheduledItem], logits: torch.Tensor) -> dict:
-        """-> id(item) -> the tokens a drafted item emits; id(request) -> (token, logprobs) for one that samples.
-        logits: [rows, vocab], or a greedy step's argmax rows ([rows] token ids)."""
-        emitted, plain_rows, plain_reqs, row = {}, [], [], 0
-        for it in items:
+    def _verify_and_sample(self, items: list[ScheduledItem], layout: StepLayout, out: StepOutput) -> dict:
+        """-> id(item) -> (the tokens a drafted item emits, its accepted draft nodes); id(request) -> (token,
+        logprobs) for one that samples."""
+        emitted, plain_rows, plain_reqs = {}, [], []
+        for it, rows in zip(items, layout.logits_rows):
             if it.draft:
-                k = len(it.draft)
-                emitted[id(it)] = self.spec.verify(it, logits[row : row + k + 1])
-                row += k + 1
+                emitted[id(it)] = self.spec.verify(it, out[rows])
             elif it.samples:
-                plain_rows.append(row)
+                plain_rows.append(rows.start)
                 plain_reqs.append(it.request)
-                row += 1
-        if plain_reqs and logits.dim() == 1:
-            tokens = logits.tolist()  # (indexing the tensor by a list costs more than the rest of this)
+        if plain_reqs and out.token_ids is not None:
             for r, i in zip(plain_reqs, plain_rows):
-                emitted[id(r)] = (tokens[i], None)
+                emitted[id(r)] = (out.token_ids[i], None)
         elif plain_reqs:
-            result = sample(logits[plain_rows], plain_reqs)
+            result = sample(out.logits[plain_rows], plain_reqs)
             for r, tok, lp in zip(plain_reqs, result.token_ids, result.logprobs):
                 emitted[id(r)] = (tok, lp)
         return emitted
 
-    def _postprocess(self, items: list[ScheduledItem], emitted: dict) -> list[RequestOutput]:
+    def _postprocess(self, items: list[ScheduledItem], layout: StepLayout, emitted: dict) -> list[RequestOutput]:
         """Appends the emitted tokens, keeps the draft head's features, rolls back rejected drafts, finishes what
         stopped -> the outputs of the items that produced tokens."""
-        outputs, feats, offset = [], self.kv.features, 0
-        for it in items:
+        outputs, feats = [], self.kv.features
+        for it, own in zip(items, layout.token_rows):
             req = it.request
+            tokens, path = emitted[id(it)] if it.draft else (None, [])
             if feats is not None:  # keep the target features of the verified rows for the draft head
-                rows = feats[offset : offset + it.num_tokens + len(it.path)]  # a chain's kept rows are a prefix
-                if it.draft_parents is not None:  # a tree's: the scheduled tokens', then the accepted path's
-                    path = offset + it.num_tokens + torch.tensor(it.path, dtype=torch.long, device=feats.device)
-                    rows = torch.cat([feats[offset : offset + it.num_tokens], feats[path]])
+                first = own.start
+                rows = feats[first : first + it.num_tokens + len(path)]  # a chain's kept rows are a prefix
+                if it.draft.parents is not None:  # a tree's: the scheduled tokens', then the accepted path's
+                    at = first + it.num_tokens + torch.tensor(path, dtype=torch.long, device=feats.device)
+                    rows = torch.cat([feats[first : first + it.num_tokens], feats[at]])
                 self.spec.keep_features(req, rows)
-                offset += it.num_tokens + len(it.draft)
             reason = None
             if it.draft:
-                tokens = emitted[id(it)]
                 before = req.num_tokens
                 req.num_computed += it.num_tokens + len(tokens) - 1
                 n_out = 0
@@ -401,8 +340,8 @@ class LLMEngine:
                         break
                 # count what was emitted: a stop inside the accepted chain drops the tokens after it
                 self.spec.verified(req, it, tokens, n_out, before)
-                if it.draft_parents is not None:  # the accepted path's KV moves to its positions' slots
-                    self.kv.keep_path(req, it.start + it.num_tokens, it.path)
+                if it.draft.parents is not None:  # the accepted path's KV moves to its positions' slots
+                    self.kv.keep_path(req, it.start + it.num_tokens, path)
             else:
                 req.num_computed += it.num_tokens
                 if it.samples:

@@ -3,6 +3,7 @@ built; and the KV block count the budget leaves."""
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -14,22 +15,30 @@ from lanner.plugins import Hardware, PluginRuntime, select_plugins, storage_ptrs
 log = logging.getLogger("lanner")
 
 
+class LoadedTarget(NamedTuple):
+    model: torch.nn.Module
+    model_config: object  # lanner.models.config.ModelConfig
+    plugins: PluginRuntime | None
+    plugin_bytes: int  # bytes the plugins hold (taken off the KV budget)
+    weights: str  # "stored" | "dequantize": how the GGUF blocks were loaded
+
+
 def load_target(config: EngineConfig, hardware: Hardware, metrics=None):
     """What every tensor-parallel rank does alike: choose and check plugins (before any weight loads, so a
     mismatch costs nothing), load this rank's shard, build the plugins. -> (model, ModelConfig, PluginRuntime or
-    None, bytes the plugins hold)."""
+    None, bytes the plugins hold, the weights mode it loaded)."""
     source = ModelSource.resolve(config.model)
     loaded_config = load_config(source)
     # UlaCache's decoders run the model's own forward: no plugin covers them ("auto" then picks none)
     choice = config.plugin if config.kv_tier is None else None
     plugins = select_plugins(choice, loaded_config[0], hardware, config.plugin_options)
-    if getattr(config, "weights_auto", False) and config.weights == "stored" and \
-            not any(p.name == "lowlat" for p in plugins):
-        config.weights = "dequantize"  # e.g. an architecture lowlat does not cover: the own forward runs it all
-    model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config, config.weights)
+    weights = config.weights_planned
+    if config.weights == "auto" and weights == "stored" and not any(p.name == "lowlat" for p in plugins):
+        weights = "dequantize"  # e.g. an architecture lowlat does not cover: the own forward runs it all
+    model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config, weights)
     plugin_bytes = build_plugins(plugins, model, model_config, hardware, metrics)
     runtime = PluginRuntime(plugins, metrics, config.plugin_verify) if plugins else None
-    return model, model_config, runtime, plugin_bytes
+    return LoadedTarget(model, model_config, runtime, plugin_bytes, weights)
 
 
 def build_plugins(plugins, model, model_config, hardware: Hardware, metrics=None) -> int:

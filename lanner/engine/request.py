@@ -57,9 +57,6 @@ class Request:
         self.output_ids: list[int] = []
         self.all_ids: list[int] = list(prompt_ids)  # prompt + outputs: what the KV cache must hold
         self.status = Status.WAITING
-        self.block_table: list[int] = []  # group 0's (lanner.kvcache.layout): every layer's under a flat layout
-        self.group_tables: list[list[int]] = []  # the other groups' tables, as long as block_table; -1: let go
-        self.block_hashes: list[int] = []
         self.num_computed = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.num_preemptions = 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from lanner.engine.request import Request, Status
 from lanner.kvcache.block_manager import BlockManager
 from lanner.kvcache.layout import KVLayout
+from lanner.spec.base import Draft
 
 
 class QueueFullError(RuntimeError):
@@ -23,21 +24,30 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class ScheduledItem:
+    """One request's part of a step. The scheduler writes the first fields; the speculation decoder
+    (lanner.spec.decoder) writes the draft and what it needs to verify it."""
+
     request: Request
     start: int  # first position computed this step
     num_tokens: int
     num_spec: int = 0  # draft tokens this decode step may verify on top of its one token
     samples: bool = False  # this step reaches the end of the request's tokens, so a new token is sampled
-    draft: list[int] = field(default_factory=list)  # filled by the proposer
-    draft_probs: object = None  # [len(draft), V] tensor, or None (one-hot drafts)
-    draft_parents: list[int] | None = None  # a draft tree: each node's parent index (-1: the last token); None: chain
-    path: list[int] = field(default_factory=list)  # the draft nodes verification accepted, root to leaf
+    admitted: bool = False  # the KV system (re)admitted the request this step, keeping positions < start
+    draft: Draft = field(default_factory=Draft)
     num_proposed: int = 0  # how many of the draft tokens the proposer wrote (the rest the grammar forced)
     masks: object = None  # constrained requests: grammar bitmask per verify row (lanner.structured)
-    admitted: bool = False  # the KV system (re)admitted the request this step, keeping positions < start
 
     def __post_init__(self):
         self.samples = self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class BlockTables:
+    """A running request's blocks in the paged pool."""
+
+    table: list[int] = field(default_factory=list)  # group 0's (lanner.kvcache.layout): every layer's under a flat one
+    groups: list[list[int]] = field(default_factory=list)  # the other groups' tables, as long as `table`; -1: let go
+    hashes: list[int] = field(default_factory=list)  # the chain hashes of its full blocks named in the prefix cache
 
 
 class RequestQueue:
@@ -84,15 +94,17 @@ class Scheduler(RequestQueue):
         self.budget = max_num_batched_tokens
         self.layout = layout or KVLayout.flat(1)
         self.groups = self.layout.num_groups
+        self.tables: dict[str, BlockTables] = {}  # request id -> its blocks, while it is running
 
     def _blocks_needed(self, req: Request, upto: int) -> int:
         """Pool blocks for positions up to `upto`: as many new table entries in every group."""
-        return max(0, -(-upto // self.blocks.block_size) - len(req.block_table)) * self.groups
+        return max(0, -(-upto // self.blocks.block_size) - len(self.tables[req.request_id].table)) * self.groups
 
     def _extend(self, req: Request, need: int):
         n = need // self.groups
-        req.block_table.extend(self.blocks.allocate(n))
-        for table in req.group_tables:
+        bt = self.tables[req.request_id]
+        bt.table.extend(self.blocks.allocate(n))
+        for table in bt.groups:
             table.extend(self.blocks.allocate(n))
 
     def _cached(self, req: Request) -> tuple[list[list[int]], list[int]]:
@@ -115,17 +127,18 @@ class Scheduler(RequestQueue):
         return [[] for _ in range(self.groups)], []
 
     def _free_tables(self, req: Request):
+        bt = self.tables.pop(req.request_id, None)
+        if bt is None:  # never admitted, or preempted and waiting
+            return
         # group 0 and the other full groups first, the sliding groups' window blocks last: in LRU order those
         # go last, and without them no hit on this prefix can be served
-        self.blocks.free(req.block_table)
-        for g, table in sorted(enumerate(req.group_tables, 1), key=lambda e: self.layout.windows[e[0]] is not None):
+        self.blocks.free(bt.table)
+        for g, table in sorted(enumerate(bt.groups, 1), key=lambda e: self.layout.windows[e[0]] is not None):
             self.blocks.free(table)
-        req.block_table, req.group_tables = [], [[] for _ in req.group_tables]
 
     def _preempt(self, req: Request):
         self.running.remove(req)
         self._free_tables(req)
-        req.block_hashes = []
         req.num_computed = 0
         req.status = Status.WAITING
         req.num_preemptions += 1
@@ -166,9 +179,8 @@ class Scheduler(RequestQueue):
                 break  # the engine refuses requests that could not fit even alone, so this one waits
             self.waiting.popleft()
             self.blocks.acquire_cached(held)
-            req.block_table, req.group_tables = tables[0], tables[1:]
+            self.tables[req.request_id] = BlockTables(tables[0], tables[1:], hashes)
             self._extend(req, need)
-            req.block_hashes = hashes
             req.num_computed = num_cached  # cached blocks carry a draft's KV too (same block tables)
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached
@@ -183,13 +195,13 @@ class Scheduler(RequestQueue):
     def trim(self, req: Request):
         """Roll back: free blocks past the verified tokens (rejected draft positions); sliding groups also let go
         of the blocks that left the window of the next query."""
-        bs = self.blocks.block_size
+        bs, bt = self.blocks.block_size, self.tables[req.request_id]
         keep = -(-req.num_computed // bs)
-        for table in [req.block_table] + req.group_tables:
+        for table in [bt.table] + bt.groups:
             if len(table) > keep:
                 self.blocks.free(table[keep:])
                 del table[keep:]
-        for g, table in enumerate(req.group_tables, 1):
+        for g, table in enumerate(bt.groups, 1):
             lo = self.layout.first_kept_block(g, req.num_computed, bs)
             first = lo  # the kept blocks are a suffix: walk back from lo to the last one let go
             while first > 0 and table[first - 1] >= 0:

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 import torch
 
 from lanner.distributed import tp_disabled
-from lanner.spec.verify import argmax_rows, verify_chain, verify_tree
-from lanner.structured import apply_bitmask, propose_drafts
+from lanner.spec.base import Draft, draft_room, first_path
+from lanner.spec.verify import verify_chain, verify_tree
+from lanner.structured import apply_bitmask
 
 
 @dataclass
@@ -30,50 +31,18 @@ class SpecStats:
                 "spec_draft_tokens": dict(self.drafted), "spec_accepted_tokens": dict(self.accepted)}
 
 
-@dataclass
-class DraftState:
-    """A request's drafting progress, kept by the SpecDecoder (by request id) and handed to its proposer."""
-
-    computed: int = 0  # positions whose KV the draft holds
-    # draft heads: target features of positions computed.. not yet consumed, as the steps appended them (joined
-    # when read: a cat per step would copy the whole backlog each time, and a request the hybrid keeps on suffix
-    # drafts builds one of ~10 MB)
-    feature_rows: list[torch.Tensor] = field(default_factory=list)
-    blocks: list[int] = field(default_factory=list)  # the draft's own KV blocks (a target without block tables)
-    suffix: object = None  # the suffix proposer's index over the request's tokens
-    source: str | None = None  # the proposer that drafted the request's last step
-    head_accepted: float | None = None  # hybrid: running mean of the head's accepted tokens per step
-    suffix_predicted: float = 0.0  # hybrid: accepted tokens the suffix draft of the last step was expected to get
-    suffix_chain: tuple[list[float], int] | None = None  # hybrid: that draft's running probabilities and match
-
-    @property
-    def features(self) -> torch.Tensor | None:
-        if len(self.feature_rows) > 1:
-            self.feature_rows = [torch.cat(self.feature_rows)]
-        return self.feature_rows[0] if self.feature_rows else None
-
-    @features.setter
-    def features(self, rows: torch.Tensor | None):
-        self.feature_rows = [] if rows is None else [rows]
-
-
-def draft_room(req) -> int:
-    """Most draft tokens one path may hold: the verify step's last emitted token is the request's last allowed
-    one (the engine admits prompt + max_tokens within the context)."""
-    return req.max_tokens - len(req.output_ids) - 1
-
-
 class SpecDecoder:
-    def __init__(self, proposer, config, metrics):
+    def __init__(self, proposer, config, metrics, learner=None):
         self.proposer, self.config, self.metrics = proposer, config, metrics
-        self.states: dict[str, DraftState] = {}
-        self.learner = None  # lanner.spec.learn.DraftLearner under --learn-draft: keeps the verified features
+        self.states: dict = {}  # request id -> the proposer's state of that request
+        self.learner = learner  # lanner.spec.learn.DraftLearner under --learn-draft: keeps the verified features
 
-    def state(self, req) -> DraftState:
-        st = self.states.get(req.request_id)
-        if st is None:
-            st = self.states[req.request_id] = DraftState()
-        return st
+    def state(self, req):
+        """The proposer's state of `req` (made on first use; None for a proposer that keeps none)."""
+        rid = req.request_id
+        if rid not in self.states:
+            self.states[rid] = self.proposer.new_state()
+        return self.states[rid]
 
     def tokens(self, req, batch_size: int) -> int:
         """Draft tokens `req` may verify in a step of `batch_size` running requests (the scheduler's question)."""
@@ -83,7 +52,7 @@ class SpecDecoder:
             return min(p.unverified_draft, room)
         if batch_size > self.config.spec_max_batch or not self._may_draft(req):
             return 0
-        # constrained requests also draft the tokens their grammar forces (lanner.structured.propose_drafts)
+        # constrained requests also draft the tokens their grammar forces (_draft)
         k = max(self.config.draft_limit if self.proposer is not None else 0,
                 self.config.grammar_draft_tokens if req.grammar is not None else 0)
         if self.config.spec_tree and req.grammar is None and room > 0:
@@ -99,53 +68,83 @@ class SpecDecoder:
 
     def propose(self, items) -> bool:
         """Fills the drafts of the scheduled items that may speculate; -> whether any may."""
-        for it in items:
-            if it.admitted:  # the KV system (re)starts it at it.start: what the draft held past that is gone
-                st = self.state(it.request)
-                st.computed, st.features = it.start, None
-            if self.proposer is not None and it.samples and not it.request.output_ids and self._may_draft(it.request):
-                # the step that ends the prompt's prefill: per-prompt drafting work (a suffix index over the
-                # prompt, ~3 us per token) is done with the prompt, not in the first decode step
-                self.proposer.prepare(it.request, self.state(it.request))
+        if self.proposer is not None:
+            for it in items:
+                if it.admitted:  # the KV system (re)starts it at it.start: what the draft held past that is gone
+                    self.proposer.restart(self.state(it.request), it.start)
+                if it.samples and not it.request.output_ids and self._may_draft(it.request):
+                    # the step that ends the prompt's prefill: per-prompt drafting work (a suffix index over the
+                    # prompt, ~3 us per token) is done with the prompt, not in the first decode step
+                    self.proposer.prepare(it.request, self.state(it.request))
         spec = [it for it in items if it.num_spec > 0]
         if spec:
             t0 = time.perf_counter()
-            draft = rollback = None
-            if self.proposer is not None:
-                def draft(reqs, ks):
-                    return self.proposer.propose(reqs, ks, [self.state(r) for r in reqs])
-
-                def rollback(req, proposed):  # the grammar cut a whole draft: as after a verify accepting none
-                    self.proposer.after_verify(req, self.state(req), proposed, 0, req.num_tokens)
             with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
-                propose_drafts(draft, rollback, spec, self.config.draft_limit, self.config.grammar_draft_tokens > 0)
+                self._draft(spec)
             if self.proposer is not None:
                 self.metrics.child(self.metrics.spec_propose_seconds, self.proposer.name).inc(time.perf_counter() - t0)
                 self.metrics.child(self.metrics.spec_propose_steps, self.proposer.name).inc()
         return bool(spec)
 
+    def _draft(self, items):
+        """Fills draft, num_proposed and masks of each speculating item. A constrained request whose grammar forces
+        tokens from here drafts those and skips the proposer. Other drafts come from the proposer (at most
+        draft_limit tokens), are cut where the grammar rejects them, then extended by what the grammar forces after
+        them. A constrained request verifies chains only: a tree is cut to its first path (the most likely one in a
+        best-first tree). Every verify row of a constrained item gets its grammar mask."""
+        forced_drafts = self.config.grammar_draft_tokens > 0
+        ask = []
+        for it in items:
+            g = it.request.grammar
+            forced = g.forced_tokens(it.num_spec) if g is not None and forced_drafts else []
+            if forced:
+                it.draft, it.num_proposed = Draft(forced), 0
+            elif self.proposer is not None:
+                ask.append(it)
+        if ask:
+            reqs = [it.request for it in ask]
+            ks = [min(it.num_spec, self.config.draft_limit) for it in ask]
+            for it, d in zip(ask, self.proposer.propose(reqs, ks, [self.state(r) for r in reqs])):
+                if not d.tokens:
+                    d = Draft()  # (an empty tree is no tree: a plain step)
+                elif d.parents is not None and it.request.grammar is not None:
+                    d = Draft(first_path(d.tokens, d.parents))
+                it.draft, it.num_proposed = d, len(d)
+        for it in items:
+            g = it.request.grammar
+            if g is None:
+                continue
+            if it.num_proposed and forced_drafts:
+                it.draft = g.extend_forced(it.draft, it.num_spec)
+            n, it.masks = g.check_draft(it.draft.tokens)
+            if n < len(it.draft):
+                it.draft = it.draft.cut(n)
+            if it.num_proposed > n:
+                if n == 0:  # nothing left to verify: the proposer rolls back now, as after a verify accepting none
+                    self.proposer.after_verify(it.request, self.state(it.request), it.num_proposed, 0,
+                                               it.request.num_tokens)
+                it.num_proposed = n
+            if not it.draft.tokens:
+                it.masks = None  # a plain step: the sampler masks its one row
+
     @staticmethod
-    def verify(it, logits: torch.Tensor) -> list[int]:
-        """A drafted item's k + 1 logits rows (a greedy step: their argmax) -> the tokens it emits: the accepted
-        drafts and one more (it.path:
-        the accepted draft nodes)."""
-        req = it.request
+    def verify(it, rows) -> tuple[list[int], list[int]]:
+        """A drafted item's k + 1 result rows (lanner.engine.step.StepOutput: logits, or a greedy step's token ids)
+        -> (the tokens it emits: the accepted drafts and one more; the accepted draft nodes, root to leaf)."""
+        req, d, logits, target = it.request, it.draft, rows.logits, rows.token_ids
         if req.params.unverified_draft:  # accept all; the target adds one token
-            it.path = list(range(len(it.draft)))
-            return it.draft + [argmax_rows(logits)[-1]]
-        if it.draft_parents is not None:
-            tokens, it.path = verify_tree(logits, it.draft, it.draft_parents, req.params, req.generator)
-            return tokens
-        if it.masks is not None:  # the target verifies under the grammar, row by row
+            return d.tokens + [rows.greedy()[-1]], list(range(len(d)))
+        if d.parents is not None:
+            return verify_tree(logits, d.tokens, d.parents, req.params, req.generator, target)
+        if it.masks is not None:  # the target verifies under the grammar, row by row (never an argmax-only step)
             apply_bitmask(logits, it.masks)
-        tokens = verify_chain(logits, it.draft, it.draft_probs, req.params, req.generator)
-        it.path = list(range(len(tokens) - 1))
-        return tokens
+        tokens = verify_chain(logits, d.tokens, d.probs, req.params, req.generator, target)
+        return tokens, list(range(len(tokens) - 1))
 
     def keep_features(self, req, rows: torch.Tensor):
         """The target's features of the request's newly verified positions (the draft head's input)."""
-        st = self.state(req)
-        st.feature_rows.append(rows)
+        if self.proposer is not None:
+            self.proposer.keep_features(self.state(req), rows)
         if self.learner is not None:
             self.learner.keep(req, rows)
 
@@ -162,7 +161,7 @@ class SpecDecoder:
         if it.num_proposed:  # grammar-forced drafts never touched the proposer
             st = self.state(req)
             self.proposer.after_verify(req, st, it.num_proposed, len(tokens) - 1, before)
-            source = st.source or self.proposer.name
+            source = self.proposer.source(st)
         self._record(req.spec_stats, len(it.draft), min(len(tokens) - 1, n_out), n_out, source)
 
     def finish(self, req, reason: str):
@@ -171,7 +170,7 @@ class SpecDecoder:
             self.learner.finish(req, reason)
         if self.proposer is not None:
             # e.g. the suffix proposer keeps finished outputs to draft from (not an errored one's)
-            self.proposer.finish(req, st or DraftState(), reason != "error")
+            self.proposer.finish(req, st if st is not None else self.proposer.new_state(), reason != "error")
 
     def _record(self, st: SpecStats, proposed: int, accepted: int, emitted: int, source: str):
         st.steps += 1

@@ -22,8 +22,8 @@ from lanner.layers.attention import AttentionMetadata, paged_attention
 from lanner.layers.rotary import RotaryEmbedding, apply_rotary
 from lanner.models.config import ModelConfig
 from lanner.models.llama import MLP, RMSNorm
+from lanner.spec.drafts import HEAD_ARCH as ARCH
 
-ARCH = "LannerDraftHead"
 
 
 @dataclass
@@ -139,11 +139,6 @@ class DraftHead(nn.Module):
         head.d2t = head.d2t.long()
         head.init_rotary(device)
         return head.eval().requires_grad_(False)
-
-
-def is_draft_head(path: str) -> bool:
-    cfg = os.path.join(path, "config.json")
-    return os.path.isdir(path) and os.path.isfile(cfg) and json.load(open(cfg)).get("architectures") == [ARCH]
 
 
 def random_draft_head(target_cfg: ModelConfig, draft_vocab_size: int = 8192, seed: int = 0) -> DraftHead:

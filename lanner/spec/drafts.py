@@ -3,6 +3,8 @@
 folder / GGUF)."""
 from __future__ import annotations
 
+import enum
+import json
 import os
 
 DRAFTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafts")
@@ -10,6 +12,13 @@ DRAFTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 SHIPPED = {"hass": "smollm2-135m-hass", "grpo": "smollm2-135m-rcsd-grpo"}
 SHIPPED["default"] = SHIPPED["grpo"]
 MTP = "mtp"  # not a folder: the engine builds the draft from the target's own checkpoint
+HEAD_ARCH = "LannerDraftHead"  # config.json "architectures" of a draft head folder (lanner.spec.draft_head)
+
+
+class DraftKind(enum.Enum):
+    HEAD = "head"  # an EAGLE-style head over the target's features
+    MTP = "mtp"  # the target checkpoint's own multi-token prediction layer
+    MODEL = "model"  # a standalone smaller model sharing the tokenizer
 
 
 def resolve_draft(name: str | None) -> str | None:
@@ -23,3 +32,21 @@ def resolve_draft(name: str | None) -> str | None:
     if not os.path.exists(name):
         raise FileNotFoundError(f"draft {name!r} not found: give 'default', 'hass', 'mtp' or a path")
     return name
+
+
+def is_draft_head(path: str) -> bool:
+    cfg = os.path.join(path, "config.json")
+    if not (os.path.isdir(path) and os.path.isfile(cfg)):
+        return False
+    with open(cfg) as f:
+        return json.load(f).get("architectures") == [HEAD_ARCH]
+
+
+def draft_kind(name: str | None) -> DraftKind | None:
+    """What the draft `name` is, from its files (nothing is loaded)."""
+    path = resolve_draft(name)
+    if path is None:
+        return None
+    if path == MTP:
+        return DraftKind.MTP
+    return DraftKind.HEAD if is_draft_head(path) else DraftKind.MODEL

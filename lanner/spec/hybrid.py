@@ -22,10 +22,10 @@ alone, not of the machine's load.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
-from lanner.spec.decoder import draft_room
-from lanner.spec.proposers import Proposer
-from lanner.spec.suffix import SuffixProposer
+from lanner.spec.base import Draft, Proposer, draft_room
+from lanner.spec.suffix import SuffixProposer, SuffixState
 
 HEAD_PRIOR = 0.5  # accepted tokens per head step before a request has any (the shipped head: ~0.4-0.5 at k = 3)
 HEAD_DECAY = 0.7  # weight of the old mean per head step: recent text decides
@@ -121,6 +121,18 @@ class StepCost:
         return None if self.line is None else self.line[0] + self.line[1]
 
 
+@dataclass
+class HybridState:
+    """A request's suffix index, its head state, and which of them drafted its last step."""
+
+    suffix: SuffixState = field(default_factory=SuffixState)
+    head: object = None  # the head proposer's state
+    source: str | None = None  # the proposer that drafted the request's last step
+    head_accepted: float | None = None  # running mean of the head's accepted tokens per step
+    suffix_predicted: float = 0.0  # accepted tokens the suffix draft of the last step was expected to get
+    suffix_chain: tuple[list[float], int] | None = None  # that draft's running probabilities and match
+
+
 class HybridProposer(Proposer):
     name = "hybrid"
 
@@ -130,6 +142,18 @@ class HybridProposer(Proposer):
         self.head_s: float | None = None  # moving mean of a head drafting call's seconds
         self.acceptance = Acceptance()  # suffix chains
         self.predicted = self.accepted = 0.0  # decayed sums over suffix tree verifications: expected vs accepted
+
+    def new_state(self):
+        return HybridState(head=None if self.head is None else self.head.new_state())
+
+    def restart(self, st, start):
+        self.head.restart(st.head, start)
+
+    def keep_features(self, st, rows):
+        self.head.keep_features(st.head, rows)
+
+    def source(self, st) -> str:
+        return st.source or self.name
 
     def head_cost(self) -> float:
         """A head draft's time relative to a decode step (0 until both were measured)."""
@@ -159,7 +183,7 @@ class HybridProposer(Proposer):
         to_head = []
         head_cost = self.head_cost()
         for i, (r, k, st) in enumerate(zip(requests, ks, states)):
-            d = self.suffix.draft(r, st, k)
+            d = self.suffix.draft(r, st.suffix, k)
             timed = r.params.seed is None or r.params.greedy
             rate, n, predicted = self.best_suffix(d, timed)
             expect = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
@@ -171,15 +195,16 @@ class HybridProposer(Proposer):
             else:  # the suffix draft's best prefix (possibly empty: a plain decode step is the better bet)
                 st.source, st.suffix_predicted = self.suffix.name, predicted
                 st.suffix_chain = (d.probs[:n], d.match) if d.probs is not None else None
-                out[i] = (d.tokens[:n], None, d.parents if n == len(d.tokens) else None)
+                out[i] = Draft(d.tokens[:n], parents=d.parents if n == len(d.tokens) else None)
         if to_head:
             # only steady-state calls are timed: a head catching up on a long stretch (a prompt, a run of suffix
             # drafts) pays that once, and one such sample must not lock the head out for good
-            steady = all(states[i].features is None or states[i].features.shape[0] <= ks[i] + 1 for i in to_head)
+            heads = [states[i].head for i in to_head]
+            steady = all(h.features is None or h.features.shape[0] <= ks[i] + 1 for h, i in zip(heads, to_head))
             t0 = time.perf_counter()
             drafts = self.head.propose([requests[i] for i in to_head],
                                        [min(ks[i], self.head_tokens, draft_room(requests[i])) for i in to_head],
-                                       [states[i] for i in to_head])
+                                       heads)
             if steady:
                 self.head_s = _mean(self.head_s, time.perf_counter() - t0)
             for i, d in zip(to_head, drafts):
@@ -187,7 +212,7 @@ class HybridProposer(Proposer):
         return out
 
     def prepare(self, req, st):
-        self.suffix.prepare(req, st)
+        self.suffix.prepare(req, st.suffix)
 
     def after_step(self, seconds: float, rows: int):
         self.cost.add(rows, seconds)
@@ -203,13 +228,13 @@ class HybridProposer(Proposer):
             return
         if st.source != self.head.name:
             return
-        self.head.after_verify(req, st, num_proposed, num_accepted, tokens_before)
+        self.head.after_verify(req, st.head, num_proposed, num_accepted, tokens_before)
         prev = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
         st.head_accepted = HEAD_DECAY * prev + (1 - HEAD_DECAY) * num_accepted
 
     def finish(self, req, st, completed):
-        self.head.finish(req, st, completed)
-        self.suffix.finish(req, st, completed)
+        self.head.finish(req, st.head, completed)
+        self.suffix.finish(req, st.suffix, completed)
 
     def forget(self):
         self.suffix.forget()

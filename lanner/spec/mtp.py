@@ -101,8 +101,9 @@ class MtpProposer(DraftHeadProposer):
     name = "mtp"
 
     def __init__(self, mtp, target, num_blocks: int | None, block_size: int, dtype, device, plugins=None,
-                 embed_weight: torch.Tensor | None = None):
+                 embed_weight: torch.Tensor | None = None, block_table=None):
         self.mtp, self.target, self.block_size, self.device = mtp, target, block_size, device
+        self.block_table = block_table
         self.vocab = target.cfg.vocab_size
         self.head = _HeadView(mtp, self.vocab, device)
         self.plugins = None  # kernel plugins cover DraftHead.forward's signature, not this module's

@@ -1,11 +1,8 @@
-"""Draft proposers: `propose(requests, ks, states) -> [(draft tokens, draft probabilities [k, V] or None)]`.
-
-`ks[i]` is the most tokens request i may receive (it can get fewer: an n-gram miss proposes nothing); `states[i]`
-is its DraftState (lanner.spec.decoder), the proposer's per-request progress.
-Proposers with probabilities draw their drafts from q = the draft model's distribution after the request's
-temperature / top-k / top-p, which is what lossless rejection sampling needs.
-"""
+"""The model-based draft proposers (a standalone draft model, an EAGLE-style head) and prompt lookup; the
+contract they implement is lanner.spec.base."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,32 +13,35 @@ from lanner.engine.runner import ModelRunner, SeqChunk
 from lanner.engine.sampling import processed_probs, sample_from_probs
 from lanner.layers.attention import build_attention_metadata
 from lanner.plugins import Step, StepKind
-from lanner.spec.decoder import draft_room
+from lanner.spec.base import Draft, Proposer, draft_room
 
 
-class Proposer:
-    name = "base"
+@dataclass
+class DraftKV:
+    """A draft model's progress on one request."""
 
-    def propose(self, requests, ks: list[int], states) -> list[tuple[list[int], torch.Tensor | None]]:
-        raise NotImplementedError
+    computed: int = 0  # positions whose KV the draft holds
 
-    def prepare(self, req, st):
-        """Called in the step that ends a request's prompt prefill (when it may draft): per-prompt work that would
-        otherwise land in its first decode step."""
 
-    def after_verify(self, req, st, num_proposed: int, num_accepted: int, tokens_before: int):
-        """Called once the target verified; lets stateful proposers roll their KV back."""
+@dataclass
+class HeadState(DraftKV):
+    """A draft head's progress on one request."""
 
-    def after_step(self, seconds: float, rows: int):
-        """Called after each decode or verify forward (and its verification), with its wall time and the rows it
-        computed (cost-aware proposers)."""
+    # target features of positions computed.. not yet consumed, as the steps appended them (joined when read: a
+    # cat per step would copy the whole backlog each time, and a request the hybrid keeps on suffix drafts builds
+    # one of ~10 MB)
+    feature_rows: list[torch.Tensor] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # the head's own KV blocks (a target without block tables)
 
-    def finish(self, req, st, completed: bool):
-        """Called when a request ends (completed: finished or aborted, not failed) with its last DraftState."""
+    @property
+    def features(self) -> torch.Tensor | None:
+        if len(self.feature_rows) > 1:
+            self.feature_rows = [torch.cat(self.feature_rows)]
+        return self.feature_rows[0] if self.feature_rows else None
 
-    def forget(self):
-        """Drops what was learned across requests (benchmarks: one measurement must not draft from the outputs of
-        the previous one replaying the same turns)."""
+    @features.setter
+    def features(self, rows: torch.Tensor | None):
+        self.feature_rows = [] if rows is None else [rows]
 
 
 class NgramProposer(Proposer):
@@ -53,7 +53,7 @@ class NgramProposer(Proposer):
         self.min_n, self.max_n = min_n, max_n
 
     def propose(self, requests, ks, states):
-        return [(self.lookup(r.all_ids, k), None) for r, k in zip(requests, ks)]
+        return [Draft(self.lookup(r.all_ids, k)) for r, k in zip(requests, ks)]
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
         if k <= 0 or len(ids) < self.min_n + 1:
@@ -73,12 +73,21 @@ class DraftModelProposer(Proposer):
     so it lives in the target's block tables: allocation, prefix sharing and rollback come for free."""
     name = "draft"
 
-    def __init__(self, model, num_blocks: int, block_size: int, dtype, device, plugins=None):
+    def __init__(self, model, num_blocks: int, block_size: int, dtype, device, plugins=None, block_table=None):
+        """block_table(request) -> the target's block table of a running request (lanner.engine.kv_paged)."""
         self.runner = ModelRunner(model, num_blocks, block_size, dtype, device, plugins=plugins, role="draft")
+        self.block_table = block_table
+
+    def new_state(self):
+        return DraftKV()
+
+    def restart(self, st, start):
+        st.computed = start
 
     def propose(self, requests, ks, states):
         # draft-extend: bring the draft's KV up to the last verified token; its last row predicts d_1
-        chunks = [SeqChunk(r.all_ids[st.computed :], st.computed, r.block_table) for r, st in zip(requests, states)]
+        tables = [self.block_table(r) for r in requests]
+        chunks = [SeqChunk(r.all_ids[st.computed :], st.computed, t) for r, st, t in zip(requests, states, tables)]
         logits = self.runner.run(chunks, StepKind.DRAFT_EXTEND)
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
@@ -96,9 +105,9 @@ class DraftModelProposer(Proposer):
             j += 1
             active = [i for i in active if ks[i] > j]
             if active:  # feed d_j back in at position num_tokens + j - 1
-                rows = self.runner.run([SeqChunk([drafts[i][-1]], requests[i].num_tokens + j - 1,
-                                                 requests[i].block_table) for i in active], StepKind.DRAFT)
-        return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+                rows = self.runner.run([SeqChunk([drafts[i][-1]], requests[i].num_tokens + j - 1, tables[i])
+                                        for i in active], StepKind.DRAFT)
+        return [Draft(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
     def after_verify(self, req, st, num_proposed, num_accepted, tokens_before):
         # KV is valid up to the last draft the chain fed back in that the target also accepted
@@ -106,7 +115,7 @@ class DraftModelProposer(Proposer):
 
 
 class DraftHeadProposer(Proposer):
-    """EAGLE-3-style head over the target's features. Per request its DraftState keeps `features`: target
+    """EAGLE-3-style head over the target's features. Per request its HeadState keeps `features`: target
     features of positions `computed`.. that the head has not consumed yet (the engine appends the rows each target
     forward verified). Draft-extend consumes them; the chain then feeds the head's own hidden state back.
 
@@ -123,8 +132,10 @@ class DraftHeadProposer(Proposer):
     tree, depth = 0, 16  # chains unless the engine asks for trees (subclasses such as MtpProposer draft chains)
 
     def __init__(self, head, target, num_blocks: int | None, block_size: int, dtype, device, plugins=None,
-                 embed_weight: torch.Tensor | None = None, tree: int = 0, depth: int = 16):
+                 embed_weight: torch.Tensor | None = None, tree: int = 0, depth: int = 16, block_table=None):
+        """block_table(request) -> the target's block table of a running request, when num_blocks is set."""
         self.head, self.target, self.block_size, self.device = head, target, block_size, device
+        self.block_table = block_table
         self.tree, self.depth = tree, depth
         # the whole [vocab, hidden] token embedding: under tensor parallelism the target's is a vocab shard whose
         # lookup is a collective, so the engine passes a gathered copy (the head runs on rank 0 only)
@@ -134,6 +145,15 @@ class DraftHeadProposer(Proposer):
         cfg = head.model_cfg
         self.kv = torch.zeros(2, 0, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
         self._init_blocks(num_blocks)
+
+    def new_state(self):
+        return HeadState()
+
+    def restart(self, st, start):
+        st.computed, st.features = start, None
+
+    def keep_features(self, st, rows):
+        st.feature_rows.append(rows)
 
     def _init_blocks(self, num_blocks: int | None):
         self.own_blocks = num_blocks is None
@@ -150,7 +170,7 @@ class DraftHeadProposer(Proposer):
     def _tables(self, requests, states, upto: list[int]) -> list[list[int]]:
         """The block tables the head's KV uses, holding at least positions < upto[i]."""
         if not self.own_blocks:
-            return [r.block_table for r in requests]
+            return [self.block_table(r) for r in requests]
         for st, n in zip(states, upto):
             need = -(-n // self.block_size) - len(st.blocks)
             if need > len(self.free_blocks):
@@ -218,7 +238,7 @@ class DraftHeadProposer(Proposer):
         if chained is not None:
             for i, d in zip(active, chained):
                 drafts[i] = d
-            return [(d, None) for d in drafts]
+            return [Draft(d) for d in drafts]
         while active:
             for row, i in zip(logits, active):
                 params = requests[i].params
@@ -240,11 +260,11 @@ class DraftHeadProposer(Proposer):
             logits, g = self._forward(StepKind.DRAFT, g, [drafts[i][-1] for i in active], pos, [1] * len(active),
                                       [p + 1 for p in pos], [tables[i] for i in active])
             logits = logits.float()
-        return [(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
+        return [Draft(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
     def _trees(self, requests, tables, ks, logits, g):
         """EAGLE-2 draft trees (class docstring) from the extend step's last rows: logits [B, draft vocab], g [B, h]
-        -> [(target ids, None, parents)]. The e-th expanded node of a request writes its KV at slot
+        -> [Draft with parents]. The e-th expanded node of a request writes its KV at slot
         num_tokens - 1 + e and reads the context and its expanded ancestors."""
         K, B = self.TREE_TOPK, len(requests)
         depth = [min(k, self.depth, draft_room(r)) for r, k in zip(requests, ks)]
@@ -302,7 +322,7 @@ class DraftHeadProposer(Proposer):
             keep.sort()  # creation order: parents first
             index = {n: j for j, n in enumerate(keep)}
             ids = self.head.d2t[torch.tensor([tok[i][n] for n in keep], dtype=torch.long, device=self.device)]
-            drafts.append((ids.tolist(), None, [index[par[i][n]] if par[i][n] >= 0 else -1 for n in keep]))
+            drafts.append(Draft(ids.tolist(), parents=[index[par[i][n]] if par[i][n] >= 0 else -1 for n in keep]))
         return drafts
 
     def _chain(self, requests, tables, active, ks, logits, g):

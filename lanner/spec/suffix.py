@@ -22,8 +22,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from lanner.spec.decoder import DraftState, draft_room
-from lanner.spec.proposers import Proposer
+from lanner.spec.base import Draft, Proposer, draft_room
 
 log = logging.getLogger("lanner")
 SOURCE = Path(__file__).resolve().parent / "csrc" / "suffix.cpp"
@@ -49,7 +48,16 @@ def scope_of(user: str | None) -> int:
 
 
 @dataclass
-class Draft:
+class SuffixState:
+    """A request's own suffix index (built at its prefill, extended by the tokens verified since)."""
+
+    index: object = None
+
+
+@dataclass
+class SuffixDraft:
+    """A draft from an index, with what the hybrid weighs it by."""
+
     tokens: list[int]
     score: float  # expected accepted tokens under the index's frequencies
     parents: list[int] | None = None  # a tree: each node's parent index (-1: the request's last token)
@@ -70,24 +78,27 @@ class SuffixProposer(Proposer):
         self.documents: deque[tuple[list[int], int, int]] = deque()  # (tokens, first counted, scope), oldest first
         self.stored_tokens = 0
 
-    def index(self, req, st):
-        """The request's own index (DraftState.suffix), brought up to its verified tokens."""
-        if st.suffix is None:
-            st.suffix = self.ext.SuffixIndex(self.depth)
-        n = st.suffix.length()
+    def new_state(self):
+        return SuffixState()
+
+    def index(self, req, st: SuffixState):
+        """The request's own index, brought up to its verified tokens."""
+        if st.index is None:
+            st.index = self.ext.SuffixIndex(self.depth)
+        n = st.index.length()
         if n < req.num_tokens:
-            st.suffix.extend(req.all_ids[n:])
-        return st.suffix
+            st.index.extend(req.all_ids[n:])
+        return st.index
 
     def prepare(self, req, st):
         self.index(req, st)
 
-    def draft(self, req, st, k: int) -> Draft:
+    def draft(self, req, st: SuffixState, k: int) -> SuffixDraft:
         """The request's draft of up to k tokens (a tree: k nodes, paths of up to max_depth tokens): the better of
         its own index's and the shared index's."""
         index = self.index(req, st)
         if k <= 0:
-            return Draft([], 0.0)
+            return SuffixDraft([], 0.0)
         depth = min(self.max_depth, draft_room(req)) if self.max_depth else 0
         own = self._draft(lambda *a: index.draft_tree_own(*a), lambda *a: index.draft_own(*a), k, depth)
         if req.params.seed is not None and not req.params.greedy:
@@ -99,20 +110,15 @@ class SuffixProposer(Proposer):
                              lambda *a: self.shared.draft(tail, scope, *a), k, depth)
         return shared if shared.score > own.score else own
 
-    def _draft(self, tree, chain, k: int, depth: int) -> Draft:
+    def _draft(self, tree, chain, k: int, depth: int) -> SuffixDraft:
         if self.max_depth:
             tokens, parents, match, score = tree(k, depth, self.factor, self.min_prob)
-            return Draft(tokens, score, parents, match=match)
+            return SuffixDraft(tokens, score, parents, match=match)
         tokens, match, score, probs = chain(k, self.factor, self.min_prob)
-        return Draft(tokens, score, probs=probs, match=match)
+        return SuffixDraft(tokens, score, probs=probs, match=match)
 
     def propose(self, requests, ks, states):
-        out = []
-        for r, k, st in zip(requests, ks, states):
-            d = self.draft(r, st, k)
-            st.source = self.name
-            out.append((d.tokens, None, d.parents))
-        return out
+        return [Draft(d.tokens, parents=d.parents) for d in map(self.draft, requests, states, ks)]
 
     def forget(self):
         while self.documents:
@@ -150,7 +156,7 @@ def step_cost_ms(tokens: list[int], context: int = 8192, new_per_step: int = 4, 
     finished = SimpleNamespace(prompt_ids=text[:64], output_ids=text[: context // 2], params=params)
     proposer.finish(finished)  # a shared index with content, as in a serving process
     req = SimpleNamespace(all_ids=text[:context], params=params, num_tokens=context)
-    st = DraftState()
+    st = SuffixState()
     proposer.draft(req, st, k)  # builds the request's index over its prompt (prefill-time work, not per step)
     t0 = time.perf_counter()
     for s in range(context, need, new_per_step):

@@ -12,19 +12,13 @@ import torch
 from lanner.engine.sampling import processed_probs, sample_from_probs
 
 
-def argmax_rows(rows: torch.Tensor) -> list[int]:
-    """Greedy verification's target tokens: the rows' argmax, or the rows themselves when the step brought only
-    their argmax (int64 [n]: the engine's greedy steps, lanner.engine.runner)."""
-    return (rows if rows.dim() == 1 else rows.argmax(-1)).tolist()
-
-
-def verify_chain(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None, params,
-                 generator) -> list[int]:
-    """logits: [k+1, V] target rows for (last token, d_1..d_k) (greedy: or their argmax). Returns the emitted
-    tokens (1..k+1)."""
+def verify_chain(logits: torch.Tensor | None, draft: list[int], draft_probs: torch.Tensor | None, params,
+                 generator, target: list[int] | None = None) -> list[int]:
+    """logits: [k+1, V] target rows for (last token, d_1..d_k); target: their argmax where the step brought only
+    that (greedy; logits None). Returns the emitted tokens (1..k+1)."""
     k = len(draft)
     if params.greedy:
-        target = argmax_rows(logits)
+        target = target if target is not None else logits.argmax(-1).tolist()
         out = []
         for i in range(k):
             if draft[i] != target[i]:
@@ -56,8 +50,8 @@ def verify_chain(logits: torch.Tensor, draft: list[int], draft_probs: torch.Tens
     return out
 
 
-def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], params,
-                generator) -> tuple[list[int], list[int]]:
+def verify_tree(logits: torch.Tensor | None, tokens: list[int], parents: list[int], params,
+                generator, target: list[int] | None = None) -> tuple[list[int], list[int]]:
     """A draft tree of one-hot candidates: logits [n+1, V] rows for (last token, node 0..n-1); parents[i] is node
     i's parent (-1: the last token), siblings carry distinct tokens. -> (emitted tokens, accepted nodes).
 
@@ -70,7 +64,7 @@ def verify_tree(logits: torch.Tensor, tokens: list[int], parents: list[int], par
         children[parent + 1].append(i)
     out, path, row = [], [], 0
     if params.greedy:
-        target = argmax_rows(logits)
+        target = target if target is not None else logits.argmax(-1).tolist()
         while True:
             nxt = next((c for c in children[row] if tokens[c] == target[row]), None)
             if nxt is None:

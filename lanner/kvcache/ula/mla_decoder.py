@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import torch
 
 from lanner.distributed import all_gather_last
-from lanner.engine.ula_dense import SeqRange, UlaDecoder, in_inference, joined, step_requests
+from lanner.kvcache.ula.quest_decoder import SeqRange, UlaDecoder, in_inference, joined, step_requests
 from lanner.kvcache.ula import GB, CacheFull, Fetch, KVBackend, UlaTP
 from lanner.kvcache.ula.store import rows_at
 from lanner.layers.attention import AttentionMetadata
-from lanner.models.deepseek import LatentStore, ShardedIndexKeys
+from lanner.models.dsa_step import LatentStore, ShardedIndexKeys
 
 # ------------------------------------------------------------------ MLA + DSA models (GLM-5, DeepSeek-V3.2) over a backend
 

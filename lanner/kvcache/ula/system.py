@@ -3,7 +3,7 @@ with sparse attention whose KV lives behind logical addresses (lanner.kvcache.ul
 with Quest page selection (UlaDecoder: an entry is one token's K and V of `sparse_group` layers), DeepSeek-V3.2 /
 GLM-5 models with their own DSA indexer (MlaDecoder: an entry is one token's latent for the layers sharing one
 indexer's selection; each query reads index_topk tokens; the indexer keys stay resident beside the KV budgets,
-as Quest's page bounds do). The engine drives it as it drives the paged system (lanner.engine.kv_paged).
+as Quest's page bounds do). The engine drives it as it drives the paged system, through lanner.engine.kv_system.KVSystem.
 
 Admission (UlaScheduler): a gpu-only system counts its device pool, HiSparse its host pool and per-request device
 buffers, ula-dp device + host slots; a request that could never fit is refused when it is made. Plugins do not run
@@ -23,8 +23,9 @@ from lanner.distributed import tp_rank, tp_size
 from lanner.engine.loading import load_target
 from lanner.engine.request import Request, RequestError, Status
 from lanner.engine.scheduler import RequestQueue, ScheduledItem
-from lanner.engine.ula_dense import UlaDecoder
-from lanner.engine.ula_mla import MlaDecoder, mla_entry_shape, selection_groups
+from lanner.engine.step import StepOutput
+from lanner.kvcache.ula.quest_decoder import UlaDecoder
+from lanner.kvcache.ula.mla_decoder import MlaDecoder, mla_entry_shape, selection_groups
 from lanner.kvcache.ula import entry_shape, make_backend
 from lanner.plugins import Hardware
 
@@ -112,10 +113,12 @@ class UlaKV:
     parallelism rank 0 sends each add / step / close to the workers before running its own, so the model's and the
     cache's collectives line up (ula_worker)."""
     worker = staticmethod(ula_worker)
+    supports_trees = False  # a verify step reads its drafts as one chain per request
 
     def __init__(self, config: EngineConfig, model, model_config, tp, capture=()):
         """capture: the layers whose outputs a draft head reads (features)."""
         self.config, self.tp = config, tp
+        self.num_blocks = None  # no block tables: a draft head keeps KV blocks of its own
         self.decoder, self.groups, budget, how = build_decoder(config, model, model_config)
         self.decoder.capture_layers = tuple(capture)
         self.features: torch.Tensor | None = None  # the last run's captured outputs, a row per token and draft
@@ -155,15 +158,16 @@ class UlaKV:
         if h is not None:
             self._on_ranks("ula.close", h, [], lambda: self.decoder.close(h))
 
-    def run(self, items: list[ScheduledItem], kind=None, argmax: bool = False) -> torch.Tensor:
+    def run(self, items: list[ScheduledItem], kind=None, argmax: bool = False) -> StepOutput:
         """The decode step over the running requests, then the new request's prefill -> float32 logits: a row per
-        item, and per draft token of a verifying one (always logits: `argmax` is the paged cache's shortcut)."""
+        item, and per draft token of a verifying one (lanner.engine.step.StepLayout; always logits: `argmax` is
+        the paged cache's shortcut)."""
         decoding = [it for it in items if it.num_tokens == 1 and it.start > 0]
         logits, feats = [], []
         if decoding:
             handles = [self.handles[it.request.request_id] for it in decoding]
             if any(it.draft for it in decoding):  # a verify step: accept() (commit) says how much stays
-                tokens = [[it.request.all_ids[-1]] + it.draft for it in decoding]
+                tokens = [[it.request.all_ids[-1]] + it.draft.tokens for it in decoding]
                 logits.append(self.decoder.step(handles, tokens, commit=False))
             else:
                 tokens = [it.request.all_ids[-1] for it in decoding]
@@ -175,7 +179,7 @@ class UlaKV:
             logits.append(pre.logits[None])
             feats.append(pre.features)
         self.features = None if not self.decoder.capture_layers else torch.cat(feats)
-        return torch.cat(logits)
+        return StepOutput(logits=torch.cat(logits))
 
     def _prefill(self, req: Request):
         max_len = len(req.prompt_ids) + req.max_tokens
@@ -187,6 +191,12 @@ class UlaKV:
             return pre
 
         return self._on_ranks("ula.add", h, [max_len] + list(req.prompt_ids), local)
+
+    def block_table(self, req: Request) -> list[int]:
+        raise ValueError("UlaCache requests have no block tables (num_blocks is None)")
+
+    def keep_path(self, req: Request, first: int, path: list[int]):
+        raise ValueError("UlaCache verifies draft chains only; spec_tree runs on the paged KV cache")
 
     def commit(self, req: Request, finishing: bool):
         """After a verify step: the request keeps its verified positions (a plain step committed itself; a
