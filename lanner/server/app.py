@@ -33,7 +33,7 @@ from lanner.engine.async_engine import (
 from lanner.engine.llm_engine import LLMEngine, RequestError
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
-from lanner.server import tools
+from lanner.server import tool_wire
 from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 from lanner.server.http import (
     RETRY_AFTER_S,
@@ -313,8 +313,8 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
         params = sampling_params(body, max_tokens, field, (body.top_logprobs or 0) if body.logprobs else None,
                                  "top_logprobs")
         try:  # off the event loop: a long conversation takes a while to tokenize, a schema to compile
-            prompt_ids, params.structured = await asyncio.to_thread(tools.chat_prompt, engine.tokenizer, body)
-        except tools.FieldError as e:
+            prompt_ids, params.structured = await asyncio.to_thread(tool_wire.chat_prompt, engine.tokenizer, body)
+        except tool_wire.FieldError as e:
             raise APIError(400, str(e), e.param) from None
         except Exception as e:  # noqa: BLE001 - no template, or the template itself rejects the conversation
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
@@ -328,7 +328,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             out = await finish(request, first, stream)
             if out is None:
                 return Response(status_code=499)  # the client is gone; nobody reads this
-            msg, reason = tools.message(body, out)
+            msg, reason = tool_wire.message(body, out)
             return ChatCompletionResponse(
                 id=rid, created=created, model=engine.model_name, usage=_usage(out),
                 choices=[ChatChoice(message=msg, logprobs=chat_logprobs(out.logprobs), finish_reason=reason)])
@@ -337,7 +337,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             return _sse(ChatCompletionChunk(id=rid, created=created, model=engine.model_name, choices=choices,
                                             usage=usage))
 
-        calls = tools.StreamedCalls() if tools.calls_tools(body) else None
+        calls = tool_wire.StreamedCalls() if tool_wire.calls_tools(body) else None
 
         async def events():
             yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])

@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 from pydantic.json_schema import SkipJsonSchema
 
-from lanner.server.tools import DeltaToolCall, ToolCall, ToolFields
+from lanner.server.tool_wire import DeltaToolCall, ToolCall, ToolFields
 
 LEGACY_MAX_TOKENS = 16  # /v1/completions' default when max_tokens is absent or null, as in OpenAI's legacy API
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -49,7 +49,7 @@ class ChatMessage(_Request):
     content: Text | list[TextPart] | None = None
     name: Text | None = None
     tool_call_id: Text | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (lanner.server.tools)
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (lanner.server.tool_wire)
 
     def text(self) -> str:
         if self.content is None:

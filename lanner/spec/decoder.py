@@ -76,15 +76,15 @@ class SpecDecoder:
                     # the step that ends the prompt's prefill: per-prompt drafting work (a suffix index over the
                     # prompt, ~3 us per token) is done with the prompt, not in the first decode step
                     self.proposer.prepare(it.request, self.state(it.request))
-        spec = [it for it in items if it.num_spec > 0]
-        if spec:
+        drafting = [it for it in items if it.num_spec > 0]
+        if drafting:
             t0 = time.perf_counter()
             with tp_disabled():  # drafts run on rank 0 only and must not enter the group's collectives
-                self._draft(spec)
+                self._draft(drafting)
             if self.proposer is not None:
                 self.metrics.child(self.metrics.spec_propose_seconds, self.proposer.name).inc(time.perf_counter() - t0)
                 self.metrics.child(self.metrics.spec_propose_steps, self.proposer.name).inc()
-        return bool(spec)
+        return bool(drafting)
 
     def _draft(self, items):
         """Fills draft, num_proposed and masks of each speculating item. A constrained request whose grammar forces
