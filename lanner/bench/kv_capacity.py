@@ -126,8 +126,8 @@ def capacity(args, engine_kwargs: dict) -> dict:
     import torch
     from tqdm import tqdm
 
+    from lanner.bench.kv_quality import long_documents
     from lanner.config import EngineConfig
-    from lanner.kvcache.quest import long_documents
     from lanner.engine.ula_dense import UlaDecoder
     from lanner.kvcache.ula import GpuOnly, entry_shape
     from lanner.models.loader import ModelSource, load_model
