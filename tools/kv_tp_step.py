@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 
 def worker(rank, port, folder, out, system, batch):
-    from lanner.bench.kv_capacity import _load_tiny, _mla_prompts
+    from lanner.bench.kv_capacity import load_tiny, mla_prompts
     from lanner.distributed import destroy_tp, init_tp
     from lanner.kvcache.ula.mla_decoder import MlaDecoder, mla_entry_shape
     from lanner.kvcache.ula import make_backend
@@ -32,12 +32,12 @@ def worker(rank, port, folder, out, system, batch):
     torch.set_num_threads(1)
     init_tp(rank, 2, f"tcp://127.0.0.1:{port}", timeout_s=300)
     try:
-        model = _load_tiny(folder, torch.bfloat16)
+        model = load_tiny(folder, torch.bfloat16)
         group = dist.new_group(backend="gloo")
         g = torch.Generator().manual_seed(0)
         docs = [torch.randint(2, 160, (2048,), generator=g).tolist() for _ in range(2)]
         max_len = 2048 + 64
-        prompts = _mla_prompts(model, docs, max_len)
+        prompts = mla_prompts(model, docs, max_len)
         cache = make_backend(system, mla_entry_shape(model), torch.bfloat16, 0.0015, 0.015,
                              hisparse_buffer=2 * 64 * 2, tp_buffer=0.5, group=group)
         dec = MlaDecoder(model, cache, max_len)

@@ -400,7 +400,7 @@ def speed_chart(path: str, rows: list[dict], system_names: list[str], levels: li
     """Per-user speed vs concurrency: one color per system, P50 solid, P10 dashed."""
     import os
 
-    plt = report._pyplot()
+    plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     colors = ["#3b6ea8", "#e0873a", "#5a9e5a", "#9467bd", "#c44e52", "#8c8c8c"]
     for i, name in enumerate(system_names):

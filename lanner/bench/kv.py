@@ -99,9 +99,9 @@ def run(args, engine_kwargs: dict) -> dict:
 def record_trace(args, engine_kwargs: dict) -> dict:
     from tqdm import tqdm
 
+    from lanner.bench.kv_quality import evaluate, long_documents
     from lanner.bench.report import markdown_table, output_paths, write_json
     from lanner.config import EngineConfig
-    from lanner.kvcache.quest import evaluate, long_documents
     from lanner.models.loader import ModelSource, load_model
     from lanner.tokenizer import Tokenizer
 
@@ -236,9 +236,9 @@ def engine_admission(args, engine_kwargs: dict) -> dict:
     import torch
     from tqdm import tqdm
 
+    from lanner.bench.kv_quality import long_documents
     from lanner.bench.report import bar_chart, markdown_table, output_paths, write_json
     from lanner.engine.sampling import SamplingParams
-    from lanner.kvcache.quest import long_documents
     from lanner.llm import LLM
 
     torch.set_num_threads(args.threads)

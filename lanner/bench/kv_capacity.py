@@ -126,8 +126,8 @@ def capacity(args, engine_kwargs: dict) -> dict:
     import torch
     from tqdm import tqdm
 
+    from lanner.bench.kv_quality import long_documents
     from lanner.config import EngineConfig
-    from lanner.kvcache.quest import long_documents
     from lanner.kvcache.ula.quest_decoder import UlaDecoder
     from lanner.kvcache.ula import GpuOnly, entry_shape
     from lanner.models.loader import ModelSource, load_model
@@ -290,7 +290,8 @@ def measure_mla(model, system, args, device_gb, host_gb, prompts, group=None, sh
     return measure(dec, n, prompts, args, show) | {"system": system, "limit": limit}
 
 
-def _mla_prompts(model, docs, max_len):
+def mla_prompts(model, docs, max_len):
+    """Each document prefilled through an MLA decoder over a device-only cache -> its prompt state."""
     from lanner.kvcache.ula.mla_decoder import MlaDecoder, mla_entry_shape
     from lanner.kvcache.ula import GpuOnly
 
@@ -298,7 +299,8 @@ def _mla_prompts(model, docs, max_len):
     return [prefiller.run_prefill(d) for d in docs]
 
 
-def _load_tiny(folder, dtype):
+def load_tiny(folder, dtype):
+    """The tiny GLM-5-architecture model saved in `folder`, on the CPU."""
     from lanner.models.loader import ModelSource, load_model
 
     return load_model(ModelSource.resolve(folder), dtype, "cpu")[0]
@@ -313,9 +315,9 @@ def _mla_tp_worker(rank, port, folder, docs, systems, args, dtype, out):
     torch.set_num_threads(args.threads)
     init_tp(rank, TP_RANKS, f"tcp://127.0.0.1:{port}", timeout_s=300)
     try:
-        model = _load_tiny(folder, dtype)  # this rank's heads; latent projection and indexer replicated
+        model = load_tiny(folder, dtype)  # this rank's heads; latent projection and indexer replicated
         group = dist.new_group(backend="gloo")  # the cache's gathers apart from the model's (a prefetch thread's)
-        prompts = _mla_prompts(model, docs, args.doc_tokens + args.gen)
+        prompts = mla_prompts(model, docs, args.doc_tokens + args.gen)
         per_rank = args.device_gb / TP_RANKS, args.host_gb / TP_RANKS
         rows = [measure_mla(model, s, args, *per_rank, prompts, group, show=rank == 0) for s in systems]
         if rank == 0:
@@ -348,10 +350,10 @@ def capacity_mla(args, engine_kwargs: dict) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         # index_topk = --budget: the tokens each decode query reads
         make_tiny_model("glm_moe_dsa", folder, index_topk=args.budget, max_position_embeddings=max(512, max_len))
-        model = _load_tiny(folder, dtype)
+        model = load_tiny(folder, dtype)
         local = [s for s in systems if s not in MLA_TP_SYSTEMS]
         if local:
-            prompts = _mla_prompts(model, docs, max_len)
+            prompts = mla_prompts(model, docs, max_len)
             for s in local:
                 rows[s] = measure_mla(model, s, args, args.device_gb, args.host_gb, prompts)
         tp = [s for s in systems if s in MLA_TP_SYSTEMS]

@@ -39,7 +39,8 @@ def add_arguments(p):
     p.add_argument("--out-dir", default="results", help="folder for the result files when --json is not given")
 
 
-def _summary(runs: list[dict]) -> dict:
+def summary(runs: list[dict]) -> dict:
+    """A system's row from its run records (run_record): medians over the prompts, and the records."""
     # the median over prompts: one prompt stalled by other work on a shared machine should not move the result
     def mid(key):
         vals = [r[key] for r in runs if r[key] is not None]
@@ -50,7 +51,8 @@ def _summary(runs: list[dict]) -> dict:
             "per_prompt": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]}
 
 
-def _run_record(token_ids, total_s, ttft_s) -> dict:
+def run_record(token_ids, total_s, ttft_s) -> dict:
+    """One prompt's generation: tokens, wall time, time to first token, and the speeds they give."""
     n = len(token_ids)
     decode_s = total_s - ttft_s if ttft_s is not None else None
     return {"output_tokens": n, "total_s": total_s, "tok_s": n / total_s, "ttft_s": ttft_s,
@@ -75,7 +77,7 @@ def bench_lanner(llm, prompt_ids: list[list[int]], max_tokens: int) -> list[dict
         t0 = time.perf_counter()
         out = llm.generate(ids, params)[0]
         total = time.perf_counter() - t0
-        runs.append(_run_record(out.token_ids, total, out.metrics["ttft_s"]) |
+        runs.append(run_record(out.token_ids, total, out.metrics["ttft_s"]) |
                     {"text": out.text, "tau": out.metrics["spec_accept_length"]})
     return runs
 
@@ -109,7 +111,7 @@ def bench_hf(source, dtype: str, device: str, prompt_ids, warm_ids, max_tokens: 
     for ids in prompt_ids:
         _, ttft = generate(ids, 1)  # generate() has no first-token hook: time a one-token run
         tokens, total = generate(ids, max_tokens)
-        runs.append(_run_record(tokens, total, ttft))
+        runs.append(run_record(tokens, total, ttft))
     return runs
 
 
@@ -117,7 +119,7 @@ def bench_llama_cpp(source, device: str, prompt_ids, warm_ids, max_tokens: int, 
     """llama.cpp in its own process (lanner.bench.llamacpp), with Lanner's thread count."""
     from lanner.bench.llamacpp import run_peer
 
-    return [_run_record(r["token_ids"], r["total_s"], r["ttft_s"])
+    return [run_record(r["token_ids"], r["total_s"], r["ttft_s"])
             for r in run_peer(source.path, prompt_ids, warm_ids, max_tokens, threads, device)]
 
 
@@ -177,7 +179,7 @@ def run(args, engine_options: dict) -> dict:
     if config.device.startswith("cuda"):
         torch.cuda.empty_cache()
 
-    systems = {name: _summary(r) for name, r in runs.items()}
+    systems = {name: summary(r) for name, r in runs.items()}
     for name, _ in variants[:-1]:
         systems[name]["speedup_vs_plain"] = systems[name]["tok_s"] / systems["lanner"]["tok_s"]
         systems[name]["greedy_identical_to_plain"] = all(
@@ -186,7 +188,7 @@ def run(args, engine_options: dict) -> dict:
         systems["hf"] = {"skipped": "--no-hf"}
     else:
         runs["hf"] = bench_hf(source, config.dtype, config.device, prompt_ids, warm_ids, args.max_tokens, pad_id)
-        systems["hf"] = _summary(runs["hf"])
+        systems["hf"] = summary(runs["hf"])
 
     from lanner.bench.llamacpp import available
 
@@ -200,7 +202,7 @@ def run(args, engine_options: dict) -> dict:
                 threads = ((config.plugin_options or {}).get("lowlat", {}).get("threads") or torch.get_num_threads())
                 runs["llama.cpp"] = bench_llama_cpp(source, config.device, prompt_ids, warm_ids, args.max_tokens,
                                                     threads)
-                systems["llama.cpp"] = _summary(runs["llama.cpp"]) | {
+                systems["llama.cpp"] = summary(runs["llama.cpp"]) | {
                     "threads": threads, "note": "llama.cpp computes on the GGUF's quantized weights, in its own "
                     "process"}
             except Exception as e:  # a broken llama.cpp build must not lose the other systems' results
@@ -279,7 +281,7 @@ def run_tp_sweep(args, engine_options: dict, sizes: list[int]) -> dict:
                 runs[name] = bench_lanner(llm, prompt_ids, args.max_tokens)
                 tp = llm.engine.tp
                 send_us = tp.send_s / tp.steps * 1e6 if tp is not None and tp.steps else 0.0
-                systems[name] = _summary(runs[name]) | {"tp": n, "threads_per_rank": torch.get_num_threads(),
+                systems[name] = summary(runs[name]) | {"tp": n, "threads_per_rank": torch.get_num_threads(),
                                                         "step_send_us": send_us}
         finally:
             torch.set_num_threads(threads)

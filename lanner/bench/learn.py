@@ -138,7 +138,7 @@ def run(args, engine_options: dict) -> dict:
 
 
 def plot(path: str, table: dict, window: int):
-    plt = report._pyplot()
+    plt = report.pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for label, ws in table.items():
         x = [w["sessions"] for w in ws]

@@ -45,6 +45,7 @@ def run_peer(model_path: str, prompt_ids: list[list[int]], warm_ids: list[int], 
 
 
 def _main():
+    import llama_cpp
     import numpy as np
     from llama_cpp import Llama
 
@@ -63,7 +64,7 @@ def _main():
             if ttft is None:
                 ttft = t1 - t0
             # the logits this token was picked from: the context's last row (scores are kept only with logits_all)
-            row = np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(n_vocab,))
+            row = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
             top2 = np.partition(row, -2)[-2:]
             gaps.append(float(top2[1] - top2[0]))
             tokens.append(int(tok))

@@ -69,7 +69,7 @@ def run(args, engine_options: dict) -> dict:
             if kernel is not None:
                 kernel.profile = True
             runs[name] = latency.bench_lanner(llm, prompt_ids, args.max_tokens)
-            row[name] = latency._summary(runs[name]) | {"weight_mib": llm.engine.weight_bytes / 2**20}
+            row[name] = latency.summary(runs[name]) | {"weight_mib": llm.engine.weight_bytes / 2**20}
             if kernel is not None and kernel.prof_calls:
                 row[name]["ms_per_forward"] = {k: 1000 * v / kernel.prof_calls for k, v in zip(PHASES, kernel.prof)}
             llm.close()
@@ -79,7 +79,7 @@ def run(args, engine_options: dict) -> dict:
             try:
                 for peer_name, f32_kv in PEERS.items():
                     runs[peer_name] = run_peer(source.path, prompt_ids, warm_ids, args.max_tokens, th, f32_kv=f32_kv)
-                    row[peer_name] = latency._summary([latency._run_record(r["token_ids"], r["total_s"], r["ttft_s"])
+                    row[peer_name] = latency.summary([latency.run_record(r["token_ids"], r["total_s"], r["ttft_s"])
                                                        for r in runs[peer_name]])
                 peer = row["llama.cpp"]["decode_tok_s"]
                 for name in [*_systems(th), "llama.cpp f32 KV"]:

@@ -5,6 +5,9 @@ import json
 import os
 import platform
 import time
+import warnings
+
+BENCH_EXTRA = "pip install 'lanner[bench]'"
 
 
 def output_paths(json_path: str | None, out_dir: str, name: str) -> tuple[str, str]:
@@ -45,17 +48,39 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
+def charts_missing() -> str | None:
+    """Why no chart can be drawn, or None: matplotlib is the `bench` extra, not a core dependency."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"matplotlib is not installed; the charts need it: {BENCH_EXTRA}"
+    return None
+
+
+def charts_or_warning(output: str) -> bool:
+    """Whether charts can be drawn; if not, warns now that `output` will not be written."""
+    missing = charts_missing()
+    if missing:
+        warnings.warn(f"{missing}; {output} will not be written", stacklevel=2)
+    return missing is None
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks run headless); ImportError naming the extra if
+    matplotlib is missing."""
+    missing = charts_missing()
+    if missing:
+        raise ImportError(missing)
     import matplotlib
 
-    matplotlib.use("Agg")  # files only: benchmarks run headless
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
 def bar_chart(path: str, labels: list[str], values: list[float], title: str, ylabel: str):
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     bars = ax.bar(labels, values, color=["#3b6ea8", "#e0873a", "#5a9e5a", "#9467bd"][: len(values)])
     ax.bar_label(bars, fmt="%.1f")
@@ -69,7 +94,7 @@ def bar_chart(path: str, labels: list[str], values: list[float], title: str, yla
 
 
 def line_chart(path: str, x: list, series: dict[str, list[float]], title: str, xlabel: str, ylabel: str):
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, ys in series.items():
         ax.plot(x, ys, marker="o", label=name)

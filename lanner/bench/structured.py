@@ -84,9 +84,8 @@ def run_mode(llm: LLM, work, mode: str, lengths: list[int] | None, max_tokens: i
                                              speculative=mode != "masked"))
         outs, t0 = [], time.perf_counter()
         for start in range(0, len(work), concurrency):
-            reqs = [engine.make_request(None, p, prompt_ids=w[1])
-                    for w, p in zip(work[start : start + concurrency], params[start : start + concurrency])]
-            outs += llm._run(reqs, False)
+            outs += llm.generate([w[1] for w in work[start : start + concurrency]],
+                                 params[start : start + concurrency])
         wall = time.perf_counter() - t0
     finally:
         engine.proposer = saved

@@ -1,6 +1,8 @@
 """lanner bench: each benchmark module (lanner.bench) adds its own options; the engine options are shared."""
 from __future__ import annotations
 
+import sys
+
 from lanner.cli.options import (
     add_config_args,
     engine_kwargs,
@@ -41,5 +43,11 @@ def add_bench(sub):
 
 def _bench_runner(module):
     def run(args):
+        from lanner.bench.report import charts_missing
+
+        # before any model loads: a run of minutes must not fail at its chart
+        missing = charts_missing()
+        if missing:
+            sys.exit(f"lanner: error: lanner bench: {missing}")
         module.run(args, engine_kwargs(args))  # its result dict is for Python callers, not an exit code
     return run

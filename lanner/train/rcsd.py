@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from lanner.bench.report import charts_or_warning, pyplot
 from lanner.layers.attention import build_attention_metadata
 from lanner.spec.draft_head import DraftHead
 from lanner.train.hass import load_train_state, save_train_state, ttt_forward
@@ -229,9 +230,11 @@ def grpo_loss(policy: list[torch.Tensor], ref: list[torch.Tensor], adv: torch.Te
 def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig, resume: bool = True,
                log=print) -> DraftHead:
     """model: the target (LlamaModel); init: the HASS head folder (also the frozen reference); rows: from
-    generate_sequences. Writes the head, training.json and curves.png to out_dir."""
+    generate_sequences. Writes the head, training.json and curves.png to out_dir (the curves only with matplotlib,
+    the bench extra: like train_draft_head's loss curve, skipped with a warning given at the start)."""
     torch.manual_seed(cfg.seed)
     os.makedirs(out_dir, exist_ok=True)
+    plot = charts_or_warning(os.path.join(out_dir, "curves.png"))
     head = DraftHead.load(init, torch.float32, "cpu").requires_grad_(True)
     ref = DraftHead.load(init, torch.float32, "cpu")
     t2d = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
@@ -317,16 +320,13 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
             "device": "cpu", "threads": torch.get_num_threads()}
     with open(os.path.join(out_dir, "training.json"), "w") as fh:
         json.dump({"cost": cost, "history": history}, fh)
-    plot_curves(history, cfg.method, os.path.join(out_dir, "curves.png"))
+    if plot:
+        plot_curves(history, cfg.method, os.path.join(out_dir, "curves.png"))
     return head
 
 
 def plot_curves(history: list[dict], method: str, path: str):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     if not history:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
