@@ -288,7 +288,7 @@ struct KF32 {  // float weights, float activations
   using W = float;
   using X = float;
   static constexpr int kStep = 16;
-  static constexpr int kPrefetchFrom = 1;  // activation rows from which the L2 prefetch pays (see g_prefetch)
+  static constexpr int kPrefetchFrom = 1;  // activation rows from which the L2 prefetch pays (see kPrefetchBytes)
   static inline __m512 wload(const float* w) { return _mm512_loadu_ps(w); }
   static inline void macw(__m512& acc, __m512 w, const float* x) { acc = _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
   static inline void mac_tail(__m512& acc, const float* w, const float* x, int64_t n) {
@@ -328,14 +328,12 @@ struct KDot {  // bf16 weights, bf16 activations, vdpbf16ps
 static constexpr bool kHaveDot = false;
 #endif
 
-// Software prefetch of the weight stream into L2, g_prefetch bytes ahead, once a weight row meets
+// Software prefetch of the weight stream into L2, kPrefetchBytes ahead, once a weight row meets
 // Kn::kPrefetchFrom activation rows: the dot products then slow the stream enough that the hardware prefetcher
 // falls behind. Full decoder forward, bf16, one core: 4 rows 29 -> 12.7 ms, 6 rows 35 -> 14.5 ms, 9 rows 28 ->
 // 20 ms; at 1-2 bf16 rows the stream already runs at memory speed and the extra instructions cost 5-25%, while
-// float32 (4x the bytes per product) gains ~8% even at 1 row on two cores. g_prefetch_rows, when set, overrides
-// kPrefetchFrom; both are settable through the module's _set_prefetch, for benchmarks.
-static int64_t g_prefetch = 12288;
-static int g_prefetch_rows = 0;
+// float32 (4x the bytes per product) gains ~8% even at 1 row on two cores.
+static constexpr int64_t kPrefetchBytes = 12288;
 // Batch-invariant GEMV: every (weight row, activation row) pair runs 2 accumulator chains whatever the number of
 // rows in the step, so a decode row and a verify row compute the same bits. Set from
 // Model::invariant at each entry (forward, linear, linear_gather); the calls run one at a time.
@@ -351,10 +349,10 @@ static inline void row_kernel(const typename Kn::W* w, int64_t K, const typename
       for (int c = 0; c < CH; c++) acc[r][m][c] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + S * CH <= K; k += S * CH) {
-    if (g_prefetch && MB >= (g_prefetch_rows ? g_prefetch_rows : Kn::kPrefetchFrom))
+    if (MB >= Kn::kPrefetchFrom)
       for (int c = 0; c < CH; c++)
         for (int r = 0; r < R; r++)
-          _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + c * S) + g_prefetch, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + c * S) + kPrefetchBytes, _MM_HINT_T1);
     for (int c = 0; c < CH; c++) {
       decltype(Kn::wload(w)) wv[R];
       for (int r = 0; r < R; r++) wv[r] = Kn::wload(w + r * K + k + c * S);
@@ -558,9 +556,6 @@ struct Model {
   double eps, scale;
   bool bf16, dot, has_bias, qk_norm;
   int nthreads;
-  // debugging: snapshots of one layer's intermediates (attention out, x after attention, SiLU*up, x after MLP)
-  int64_t dbg_layer = -1;
-  std::vector<torch::Tensor> dbg;
   // MoE feed-forward (layers with is_moe[l]): E experts of intermediate size minter, top_k per row, the top-k
   // weights renormalized when renorm (Mixtral, Qwen3-MoE with norm_topk_prob)
   int64_t minter = 0, E = 0, top_k = 0;
@@ -1014,24 +1009,6 @@ struct Model {
   static void silu_mul(const float* g, const float* u, XT* out, int64_t n) { gated_mul<WT, XT, false>(g, u, out, n); }
   template <typename WT, typename XT>
   static void gelu_mul(const float* g, const float* u, XT* out, int64_t n) { gated_mul<WT, XT, true>(g, u, out, n); }
-
-  // test hooks: the elementwise pieces on their own (float32 in, model dtype out)
-  torch::Tensor test_silu_mul(torch::Tensor g, torch::Tensor u) const {
-    auto gc = g.to(torch::kFloat32).contiguous(), uc = u.to(torch::kFloat32).contiguous();
-    auto out = torch::empty({gc.numel()}, torch::kFloat32);
-    if (bf16) silu_mul<bf16_t, float>(gc.data_ptr<float>(), uc.data_ptr<float>(), out.data_ptr<float>(), gc.numel());
-    else silu_mul<float, float>(gc.data_ptr<float>(), uc.data_ptr<float>(), out.data_ptr<float>(), gc.numel());
-    return out.to(bf16 ? torch::kBFloat16 : torch::kFloat32).view(g.sizes());
-  }
-  torch::Tensor test_rmsnorm(torch::Tensor x, torch::Tensor w) const {
-    auto xc = x.to(torch::kFloat32).contiguous().view({-1, hidden});
-    auto wc = w.contiguous();
-    auto out = torch::empty({xc.size(0), hidden}, torch::kFloat32);
-    if (bf16) rmsnorm<bf16_t, float>(xc.data_ptr<float>(), reinterpret_cast<const bf16_t*>(wc.data_ptr()),
-                                     out.data_ptr<float>(), 0, xc.size(0));
-    else rmsnorm<float, float>(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), 0, xc.size(0));
-    return out.to(bf16 ? torch::kBFloat16 : torch::kFloat32);
-  }
 
   // one attention item: the q heads h0 .. h0 + nh - 1 of one kv group (GQA), rows t0..t0+nq-1 of q at positions
   // pos[t] over keys 0..ctx-1. Each key and value vector is loaded once for all the item's (row, head) pairs.
@@ -1539,7 +1516,6 @@ struct Model {
                          b - a);
     }
 #pragma omp barrier
-    if (l == dbg_layer) snap(mact, T * top_k * minter, tid);
     split(hidden, 16, tid, nt, a, b);
     for (int64_t t = 0; t < T; t++) std::fill(acc + t * hidden + a, acc + t * hidden + b, 0.f);
     for (const int32_t e : rt.experts) {
@@ -1574,16 +1550,6 @@ struct Model {
                            w.data_ptr<float>() + t * top_k);
     }
     return {ids, w};
-  }
-
-  template <typename X>
-  void snap(const X* p, int64_t n, int tid) {
-    if (tid == 0) {
-      auto t = torch::empty({n}, torch::kFloat32);
-      for (int64_t i = 0; i < n; i++) t.data_ptr<float>()[i] = ldf(p, i);
-      dbg.push_back(t);
-    }
-#pragma omp barrier
   }
 
   template <typename WT, typename XT>
@@ -1714,7 +1680,6 @@ struct Model {
         mark(1);
 #pragma omp barrier
         mark(2);
-        if (l == dbg_layer) snap(ain, T * H * D, tid);
         // --- o_proj + residual
         split(hidden, 16, tid, nt, a, b);
         mm<WT, XT>(q_o[l], o_w[l], H * D, a, b, ain, H * D, M, tmp, hidden, tid);
@@ -1732,7 +1697,6 @@ struct Model {
         mark(3);
 #pragma omp barrier
         mark(2);
-        if (l == dbg_layer) snap(x, T * hidden, tid);
         // --- MLP: norm (private) -> gate/up rows [a, b) of both halves -> SiLU(gate) * up
         if (gemma) norm1p<WT, XT>(x, g_pf[l].data_ptr<float>(), xin, 0, T);
         else rmsnorm<WT, XT>(x, ptr<WT>(post_norm[l]), xin, 0, T);
@@ -1757,7 +1721,6 @@ struct Model {
         mark(3);
 #pragma omp barrier
         mark(2);
-        if (l == dbg_layer) snap(act, T * inter, tid);
         // --- down + residual
         split(hidden, 16, tid, nt, a, b);
         mm<WT, XT>(q_down[l], down_w[l], inter, a, b, act, inter, M, tmp, hidden, tid);
@@ -2394,10 +2357,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     TORCH_CHECK(rows >= 0 && rows <= 6, "lowlat: block rows must be in 0..6 (0: the mode's own)");
     lowlat::g_block_rows = int(rows);
   }, "stored-type GEMV: activation rows per block (0: the activation mode's own, q16 5, q8 6, float 4)");
-  m.def("_set_prefetch", [](int64_t bytes, int64_t from_rows) {
-    lowlat::g_prefetch = bytes;
-    lowlat::g_prefetch_rows = int(from_rows);
-  }, "GEMV L2 prefetch: distance in bytes (0: off), from how many activation rows on (0: per kernel kind)");
   pybind11::class_<lowlat::Model>(m, "Model", pybind11::module_local())  // the AVX2 build loads beside it
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool, int64_t,
                           int64_t, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -2424,8 +2383,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("moe_log", &lowlat::Model::moe_log)
       .def("attention", &lowlat::Model::attention)
       .def("dequant_t", &lowlat::Model::dequant_t)
-      .def("test_silu_mul", &lowlat::Model::test_silu_mul)
-      .def("test_rmsnorm", &lowlat::Model::test_rmsnorm)
       .def("set_tp", &lowlat::Model::set_tp)
       .def("tp_segment_bytes", &lowlat::Model::tp_segment_bytes)
       .def_property_readonly("tp_aborted", &lowlat::Model::tp_aborted)
@@ -2435,8 +2392,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_float") = false,
            pybind11::arg("argmax") = false)
       .def_readonly("scratch", &lowlat::Model::scratch)
-      .def_readwrite("dbg_layer", &lowlat::Model::dbg_layer)
-      .def_readwrite("dbg", &lowlat::Model::dbg)
       .def_readonly("dot", &lowlat::Model::dot)
       .def_readonly("nthreads", &lowlat::Model::nthreads)
       .def_readonly("max_rows", &lowlat::Model::max_rows);
