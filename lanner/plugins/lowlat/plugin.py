@@ -2,7 +2,7 @@
 drafts, small prefill chunks) of the target or a draft model, dense or MoE (Qwen3-MoE, Mixtral: router, top-k,
 and each hit expert's GEMVs over only the rows that picked it) or Gemma 3 (sliding-window local layers, (1 + w)
 pre/post norms, GeGLU), lowlat's GEMV for the LM head (core's compute_logits hook) and for an EAGLE-style draft
-head's linears. See csrc/lowlat.cpp for the kernels."""
+head's linears. The kernels are in csrc/ (lowlat.cpp names its headers)."""
 from __future__ import annotations
 
 import logging
