@@ -14,15 +14,16 @@ struct Head {
   torch::Tensor in_norm, hid_norm, qkv_w, o_w, post_norm, gu_w, down_w, lm_w, d2t;
   int64_t vd;
 
-  Head(int64_t hidden, int64_t inter, int64_t H, int64_t Hkv, int64_t D, double eps, double scale, bool bf16,
-       bool dot, int64_t nthreads, int64_t max_rows, torch::Tensor embed, torch::Tensor in_norm_,
-       torch::Tensor hid_norm_, torch::Tensor qkv_w_, torch::Tensor o_w_, torch::Tensor post_norm_,
-       torch::Tensor gu_w_, torch::Tensor down_w_, torch::Tensor final_norm, torch::Tensor lm_w_, torch::Tensor d2t_,
-       torch::Tensor cos, torch::Tensor sin)
-      : m(hidden, inter, 0, H, Hkv, D, eps, scale, bf16, dot, nthreads, max_rows, embed, {}, {}, {}, {}, {}, {}, {},
-          {}, {}, final_norm, cos, sin, 0, 0, false, {}, {}, {}, {}),
-        in_norm(in_norm_), hid_norm(hid_norm_), qkv_w(qkv_w_), o_w(o_w_), post_norm(post_norm_), gu_w(gu_w_),
-        down_w(down_w_), lm_w(lm_w_), d2t(d2t_) {
+  // w: the head's tensors by name (plugin.py's pack.head_weights): embed_tokens (the target's), input_layernorm,
+  // hidden_norm, qkv_proj, o_proj, post_attention_layernorm, gate_up_proj, down_proj, norm, lm_head, d2t,
+  // rope_cos, rope_sin; opt: as a Model's
+  Head(const Args& w, const Args& opt)
+      : m(w.subset({"embed_tokens", "norm", "rope_cos", "rope_sin"}), opt), in_norm(w.tensor("input_layernorm")),
+        hid_norm(w.tensor("hidden_norm")), qkv_w(w.tensor("qkv_proj")), o_w(w.tensor("o_proj")),
+        post_norm(w.tensor("post_attention_layernorm")), gu_w(w.tensor("gate_up_proj")),
+        down_w(w.tensor("down_proj")), lm_w(w.tensor("lm_head")), d2t(w.tensor("d2t")) {
+    const int64_t hidden = m.hidden, inter = m.inter, H = m.H, Hkv = m.Hkv, D = m.D;
+    const bool bf16 = m.bf16;
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
     auto chk = [&](const torch::Tensor& t, std::vector<int64_t> shape, const char* what) {
       TORCH_CHECK(t.scalar_type() == wdt && t.is_contiguous() && t.sizes() == shape, "lowlat head: ", what,

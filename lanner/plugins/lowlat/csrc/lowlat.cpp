@@ -57,13 +57,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     lowlat::g_block_rows = int(rows);
   }, "stored-type GEMV: activation rows per block (0: the activation mode's own, q16 5, q8 6, float 4)");
   pybind11::class_<lowlat::Model>(m, "Model", pybind11::module_local())  // the AVX2 build loads beside it
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool, int64_t,
-                          int64_t, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, bool,
-                          std::vector<int64_t>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                          std::vector<at::Tensor>>())
+      .def(pybind11::init([](const pybind11::dict& tensors, const pybind11::kwargs& options) {
+             return lowlat::build<lowlat::Model>(tensors, options, "lowlat.Model");
+           }), "Model(tensors, **options): see Model::Model (csrc/model.h)")
       .def("forward", &lowlat::Model::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("set_quant", &lowlat::Model::set_quant)
       .def("set_gemma", &lowlat::Model::set_gemma)
@@ -95,8 +91,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("nthreads", &lowlat::Model::nthreads)
       .def_readonly("max_rows", &lowlat::Model::max_rows);
   pybind11::class_<lowlat::Head>(m, "Head", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool, int64_t, int64_t,
-                          at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                          at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>())
+      .def(pybind11::init([](const pybind11::dict& tensors, const pybind11::kwargs& options) {
+             return lowlat::build<lowlat::Head>(tensors, options, "lowlat.Head");
+           }), "Head(tensors, **options): see Head::Head (csrc/head.h)")
       .def("chain", &lowlat::Head::chain);
 }

@@ -1,14 +1,62 @@
-// lowlat's Model: one model's geometry, weights (the model's own tensors) and activation
+// lowlat's Model: one model's geometry, weights (the model's own tensors, named by plugin.py) and activation
 // buffers, with what every kernel family shares (the norm, the gated activations, the matmul dispatch). Its
 // kernels are defined by family in the headers that include this one: gemma.h, tp.h, attention.h, moe.h,
 // forward.h (the step), linear.h (matmuls outside the step); head.h runs the draft head on a Model.
 #pragma once
+#include <initializer_list>
+#include <memory>
+#include <set>
+
 #include "comm.h"
 #include "common.h"
 #include "gemv.h"
 #include "quant.h"
 
 namespace lowlat {
+
+// plugin.py's keyword options or name -> tensor dict, read by name. Every name given must be read, else build()
+// refuses the kernel (a misspelt optional name would drop a weight without a word).
+struct Args {
+  pybind11::dict d;
+  mutable std::set<std::string> read;
+
+  pybind11::object at(const char* name) const {
+    TORCH_CHECK(d.contains(name), "lowlat: '", name, "' not given");
+    read.insert(name);
+    return d[name];
+  }
+  template <typename V>
+  V value(const char* name) const {
+    pybind11::detail::make_caster<V> conv;
+    TORCH_CHECK(conv.load(at(name), true), "lowlat: '", name, "' has the wrong type");
+    return pybind11::detail::cast_op<V>(std::move(conv));
+  }
+  template <typename V>
+  V value(const char* name, V absent) const {
+    return d.contains(name) ? value<V>(name) : absent;
+  }
+  torch::Tensor tensor(const char* name) const { return value<torch::Tensor>(name); }
+  // one tensor per layer; absent: none (the model has no such weight)
+  std::vector<torch::Tensor> tensors(const char* name) const {
+    if (!d.contains(name)) return {};
+    // a tensor is a sequence too: it would cast to its rows
+    TORCH_CHECK(pybind11::isinstance<pybind11::list>(d[name]), "lowlat: '", name, "' must be a list of tensors");
+    return value<std::vector<torch::Tensor>>(name);
+  }
+  // the named entries (those given) as their own Args, read here
+  Args subset(std::initializer_list<const char*> names) const {
+    Args s{pybind11::dict()};
+    for (const char* name : names)
+      if (d.contains(name)) s.d[name] = at(name);
+    return s;
+  }
+  void check_all_read(const char* what) const {
+    for (const auto& item : d) {
+      const auto name = item.first.cast<std::string>();
+      TORCH_CHECK(read.count(name), "lowlat: ", what, " takes no '", name, "'");
+    }
+  }
+};
 
 // ------------------------------------------------------------------------------------------------ model
 template <typename T>
@@ -75,19 +123,27 @@ struct Model {
   int64_t off_x, off_xin, xin_stride, off_qkv, off_q, off_ain, off_tmp, off_gu, off_act;
   int64_t off_logit = 0, off_macc = 0, off_mact = 0, off_xg = 0, xg_stride = 0;  // MoE
 
-  Model(int64_t hidden_, int64_t inter_, int64_t L_, int64_t H_, int64_t Hkv_, int64_t D_, double eps_, double scale_,
-        bool bf16_, bool dot_, int64_t nthreads_, int64_t max_rows_, torch::Tensor embed_,
-        std::vector<torch::Tensor> in_norm_, std::vector<torch::Tensor> qkv_w_, std::vector<torch::Tensor> qkv_b_,
-        std::vector<torch::Tensor> q_norm_, std::vector<torch::Tensor> k_norm_, std::vector<torch::Tensor> o_w_,
-        std::vector<torch::Tensor> post_norm_, std::vector<torch::Tensor> gu_w_, std::vector<torch::Tensor> down_w_,
-        torch::Tensor final_norm_, torch::Tensor cos_, torch::Tensor sin_, int64_t moe_inter_, int64_t top_k_,
-        bool renorm_, std::vector<int64_t> moe_, std::vector<torch::Tensor> router_w_,
-        std::vector<torch::Tensor> w13_, std::vector<torch::Tensor> w2_)
-      : hidden(hidden_), inter(inter_), L(L_), H(H_), Hkv(Hkv_), D(D_), max_rows(max_rows_), eps(eps_),
-        scale(scale_), bf16(bf16_), dot(dot_ && bf16_ && kHaveDot), nthreads(int(nthreads_)), minter(moe_inter_),
-        top_k(top_k_), renorm(renorm_), embed(embed_), final_norm(final_norm_), cos(cos_), sin(sin_),
-        in_norm(in_norm_), qkv_w(qkv_w_), qkv_b(qkv_b_), q_norm(q_norm_), k_norm(k_norm_), o_w(o_w_),
-        post_norm(post_norm_), gu_w(gu_w_), down_w(down_w_), router_w(router_w_), w13(w13_), w2(w2_) {
+  // w: the tensors by name (plugin.py's pack.model_weights): embed_tokens, norm, rope_cos, rope_sin and, one per
+  // layer, input_layernorm, qkv_proj, o_proj, post_attention_layernorm (the MLP's input norm), gate_up_proj,
+  // down_proj; where the model has them qkv_proj.bias, q_norm, k_norm and for MoE layers router, experts.w13,
+  // experts.w2 (the other kind's weights on a layer: empty tensors). A Model without layers (the draft head's)
+  // takes the first four only. opt: hidden, inter, heads, kv_heads, head_dim, eps, scale, bf16, dot, threads,
+  // max_rows and with MoE layers moe_inter, top_k, renorm, moe_layers (1 for an MoE layer).
+  Model(const Args& w, const Args& opt)
+      : hidden(opt.value<int64_t>("hidden")), inter(opt.value<int64_t>("inter")), H(opt.value<int64_t>("heads")),
+        Hkv(opt.value<int64_t>("kv_heads")), D(opt.value<int64_t>("head_dim")),
+        max_rows(opt.value<int64_t>("max_rows")), eps(opt.value<double>("eps")), scale(opt.value<double>("scale")),
+        bf16(opt.value<bool>("bf16")), dot(opt.value<bool>("dot") && bf16 && kHaveDot),
+        nthreads(int(opt.value<int64_t>("threads"))), minter(opt.value<int64_t>("moe_inter", 0)),
+        top_k(opt.value<int64_t>("top_k", 0)), renorm(opt.value<bool>("renorm", false)),
+        embed(w.tensor("embed_tokens")), final_norm(w.tensor("norm")), cos(w.tensor("rope_cos")),
+        sin(w.tensor("rope_sin")), in_norm(w.tensors("input_layernorm")), qkv_w(w.tensors("qkv_proj")),
+        qkv_b(w.tensors("qkv_proj.bias")), q_norm(w.tensors("q_norm")), k_norm(w.tensors("k_norm")),
+        o_w(w.tensors("o_proj")), post_norm(w.tensors("post_attention_layernorm")),
+        gu_w(w.tensors("gate_up_proj")), down_w(w.tensors("down_proj")), router_w(w.tensors("router")),
+        w13(w.tensors("experts.w13")), w2(w.tensors("experts.w2")) {
+    L = (int64_t)in_norm.size();
+    const auto moe_layers = opt.value<std::vector<int64_t>>("moe_layers", {});
     const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
     TORCH_CHECK(D % 16 == 0 && D % 2 == 0, "lowlat: head_dim must be a multiple of 16, got ", D);
     TORCH_CHECK(H % Hkv == 0, "lowlat: num_heads must be a multiple of num_kv_heads");
@@ -111,11 +167,11 @@ struct Model {
     qk_norm = !q_norm.empty();
     const int64_t nqkv = (H + 2 * Hkv) * D;
     is_moe.assign(L, 0);
-    TORCH_CHECK(moe_.empty() || (int64_t)moe_.size() == L,
+    TORCH_CHECK(moe_layers.empty() || (int64_t)moe_layers.size() == L,
                 "lowlat: the MoE layer flags must be empty or one per layer");
-    for (int64_t l = 0; l < (int64_t)moe_.size(); l++) is_moe[l] = moe_[l] != 0;
+    for (int64_t l = 0; l < (int64_t)moe_layers.size(); l++) is_moe[l] = moe_layers[l] != 0;
     const bool any_moe = std::find(is_moe.begin(), is_moe.end(), 1) != is_moe.end();
-    TORCH_CHECK((int64_t)in_norm.size() == L && (int64_t)qkv_w.size() == L && (int64_t)o_w.size() == L &&
+    TORCH_CHECK((int64_t)qkv_w.size() == L && (int64_t)o_w.size() == L &&
                     (int64_t)post_norm.size() == L && (int64_t)gu_w.size() == L && (int64_t)down_w.size() == L &&
                     (!has_bias || (int64_t)qkv_b.size() == L) &&
                     (!qk_norm || ((int64_t)q_norm.size() == L && (int64_t)k_norm.size() == L)) &&
@@ -385,5 +441,15 @@ struct Model {
   torch::Tensor dequant_t(std::vector<torch::Tensor> w, int64_t N, int64_t K, int64_t a, int64_t b, bool to_bf16);
   torch::Tensor argmax_rows(const torch::Tensor& y) const;
 };
+
+// a kernel (Model, Head) from plugin.py's tensors and keyword options; every name must be one it reads
+template <typename K>
+std::unique_ptr<K> build(const pybind11::dict& tensors, const pybind11::dict& options, const char* what) {
+  const Args w{tensors}, opt{options};
+  auto kernel = std::make_unique<K>(w, opt);
+  w.check_all_read(what);
+  opt.check_all_read(what);
+  return kernel;
+}
 
 }  // namespace lowlat
