@@ -21,6 +21,8 @@ from lanner.plugins.base import (  # noqa: F401
 
 log = logging.getLogger("lanner")
 GROUP = "lanner.plugins"
+# PluginRuntime._guarded's results for a plugin that does not cover the step, and for a call that failed
+_SKIPPED, _FAILED = object(), object()
 # plugins registered in code (tests, notebooks), selectable like installed ones; tensor-parallel workers get
 # a copy (the classes travel by import path)
 _REGISTERED: dict[str, type] = {}
@@ -154,22 +156,21 @@ class PluginRuntime:
     def forward(self, step: Step, module, *args):
         kind = step.kind.value
         self.last = None
-        for plugin in self.active:
-            try:
+        for plugin in self.active:  # call and verify use this iteration's plugin: _guarded runs them at once
+            def call():
                 if not plugin.covers(step) or (step.tree and not plugin.tree_verify):
-                    continue
-                out, error = plugin.forward(step, module, *args), None
-            except Exception as e:
-                out, error = None, e
-            if self._failed_anywhere(plugin, kind, error):
-                break
-            key = (plugin.name, kind)
-            if self.verified.get(key, 0) < self.verify_steps:
-                self.verified[key] = self.verified.get(key, 0) + 1
+                    return _SKIPPED
+                return plugin.forward(step, module, *args)
+
+            def verify(out):
                 self._verify(plugin, step, out, module(*args))
-            self._count(plugin.name, kind)
-            self.last = plugin
-            return out
+
+            out = self._guarded(plugin, kind, call, verify)
+            if out is _FAILED:
+                break
+            if out is not _SKIPPED:
+                self.last = plugin
+                return out
         self._count("none", kind)
         return module(*args)
 
@@ -178,18 +179,9 @@ class PluginRuntime:
         plugin = self.last
         if plugin is None or plugin.compute_logits is None or plugin.name in self.disabled:
             return model.compute_logits(hidden)
-        try:
-            out, error = plugin.compute_logits(step, model, hidden), None
-        except Exception as e:
-            out, error = None, e
-        if self._failed_anywhere(plugin, "logits", error):
-            return model.compute_logits(hidden)
-        key = (plugin.name, "logits")
-        if self.verified.get(key, 0) < self.verify_steps:
-            self.verified[key] = self.verified.get(key, 0) + 1
-            self._verify(plugin, step, out, model.compute_logits(hidden), "logits")
-        self._count(plugin.name, "logits")
-        return out
+        out = self._guarded(plugin, "logits", lambda: plugin.compute_logits(step, model, hidden),
+                            lambda out: self._verify(plugin, step, out, model.compute_logits(hidden), "logits"))
+        return model.compute_logits(hidden) if out is _FAILED else out
 
     def compute_argmax(self, step: Step, model, hidden):
         """compute_logits(...).argmax(-1) for a greedy step: the plugin's fused compute_argmax when it has one
@@ -198,21 +190,15 @@ class PluginRuntime:
         fused = None if plugin is None or plugin.name in self.disabled else plugin.compute_argmax
         if fused is None:
             return self.compute_logits(step, model, hidden).argmax(-1)
-        try:
-            out, error = fused(step, model, hidden), None
-        except Exception as e:
-            out, error = None, e
-        if self._failed_anywhere(plugin, "argmax", error):
-            return model.compute_logits(hidden).argmax(-1)
-        key = (plugin.name, "argmax")
-        if self.verified.get(key, 0) < self.verify_steps:
-            self.verified[key] = self.verified.get(key, 0) + 1
+
+        def verify(out):
             want = self.compute_logits(step, model, hidden).argmax(-1)
             if not torch.equal(out, want):
                 raise PluginVerifyError(f"plugin {plugin.name} (argmax, {step.num_tokens} tokens): "
                                         f"{out.tolist()} differs from its logits' argmax {want.tolist()}")
-        self._count(plugin.name, "argmax")
-        return out
+
+        out = self._guarded(plugin, "argmax", lambda: fused(step, model, hidden), verify)
+        return model.compute_logits(hidden).argmax(-1) if out is _FAILED else out
 
     def draft_chain(self, step: Step, head, *args):
         """A draft head's whole greedy chain in one plugin call (no Python between draft steps), from the first
@@ -222,17 +208,36 @@ class PluginRuntime:
             chain = getattr(plugin, "draft_chain", None)
             if chain is None:
                 continue
-            try:
-                if not plugin.covers(step):
-                    continue
-                out, error = chain(head, *args), None
-            except Exception as e:
-                out, error = None, e
-            if self._failed_anywhere(plugin, "draft_chain", error) or out is None:
-                return None
-            self._count(plugin.name, "draft_chain")
-            return out
+
+            def call():
+                return chain(head, *args) if plugin.covers(step) else _SKIPPED
+
+            out = self._guarded(plugin, "draft_chain", call, declines=True)
+            if out is not _SKIPPED:
+                return None if out is _FAILED else out
         return None
+
+    def _guarded(self, plugin: Plugin, kind: str, call, verify=None, declines: bool = False):
+        """call() made for `plugin` in a `kind` call: its result, counted, or _FAILED when it raised here or (under
+        TP) on another rank, which disables the plugin. _SKIPPED from call() (the plugin does not cover the step)
+        and, where the plugin `declines` with None, None, pass through uncounted. For the first verify_steps
+        results of (plugin, kind), verify(result) runs (it raises on a mismatch) before the count."""
+        try:
+            out, error = call(), None
+        except Exception as e:
+            out, error = None, e
+        if out is _SKIPPED:
+            return out
+        if self._failed_anywhere(plugin, kind, error):
+            return _FAILED
+        if declines and out is None:
+            return None
+        key = (plugin.name, kind)
+        if verify is not None and self.verified.get(key, 0) < self.verify_steps:
+            self.verified[key] = self.verified.get(key, 0) + 1
+            verify(out)
+        self._count(plugin.name, kind)
+        return out
 
     def _failed_anywhere(self, plugin: Plugin, kind: str, error: Exception | None) -> bool:
         """Disables the plugin if its call failed on this rank or (under TP) on any other; True if so."""

@@ -10,7 +10,6 @@ from pathlib import Path
 log = logging.getLogger("lanner")
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = [CSRC / "lowlat.cpp"]
-HEADERS = [CSRC / "quant.h", CSRC / "avx2.h"]  # included by lowlat.cpp: their hash goes into the flags so an edit rebuilds
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 # "avx512": the CPU's own instruction set; "avx2": AVX-512 switched off, so the kernels run on 256-bit halves
 # (csrc/avx2.h) as on an AVX2-only CPU (where "native" is that build anyway)
@@ -34,7 +33,9 @@ def load(variant: str = "avx512"):
         from torch.utils.cpp_extension import load as cpp_load
 
         t0 = time.perf_counter()
-        headers = hashlib.sha1(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:12]
+        # lowlat.cpp includes every header in csrc/: their hash goes into the flags, so editing one rebuilds
+        digest = hashlib.sha1(b"".join(h.name.encode() + h.read_bytes() for h in sorted(CSRC.glob("*.h"))))
+        headers = digest.hexdigest()[:12]
         suffix = "" if variant == "avx512" else f"_{variant}"
         _modules[variant] = cpp_load(
             name=f"lanner_lowlat_{_cpu_key()}{suffix}", sources=[str(s) for s in SOURCES],

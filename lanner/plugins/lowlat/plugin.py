@@ -2,7 +2,7 @@
 drafts, small prefill chunks) of the target or a draft model, dense or MoE (Qwen3-MoE, Mixtral: router, top-k,
 and each hit expert's GEMVs over only the rows that picked it) or Gemma 3 (sliding-window local layers, (1 + w)
 pre/post norms, GeGLU), lowlat's GEMV for the LM head (core's compute_logits hook) and for an EAGLE-style draft
-head's linears. See csrc/lowlat.cpp for the kernels."""
+head's linears. The kernels are in csrc/ (lowlat.cpp names its headers)."""
 from __future__ import annotations
 
 import logging
@@ -24,6 +24,7 @@ from lanner.plugins.base import (
     Step,
     StepKind,
 )
+from lanner.plugins.lowlat import pack
 
 log = logging.getLogger("lanner")
 AVX2_FLAGS = ("avx2", "fma", "f16c")
@@ -282,7 +283,7 @@ class LowLatPlugin(Plugin):
             raise RuntimeError("lowlat: AttentionMetadata carries no q_lens/ctx_lens/block_tables")
         with self._lock:
             if max(meta.ctx_lens) > kernel.max_pos and self._is_gemma(model):
-                kernel.set_rope(*self._rope_tables(model, max(meta.ctx_lens)))
+                kernel.set_rope(*pack.rope_tables(model, max(meta.ctx_lens), self.ROPE_ROWS))
             if input_ids.shape[0] <= self.rows and len(meta.q_lens) <= self.max_batch:
                 out = kernel.forward(input_ids, positions, kv_caches, meta.q_lens, meta.ctx_lens, meta.block_tables,
                                      meta.block_size, list(capture_layers), meta.tree or [], meta.group_tables or [],
@@ -361,122 +362,32 @@ class LowLatPlugin(Plugin):
             kernel = None
             if all(hasattr(head, a) for a in self.HEAD_PARTS) and head.lm_head.weight.dtype == self.hardware.dtype \
                     and embed_weight.dtype == self.hardware.dtype:
-                c = head.cfg
-                kernel = self._load_extension().Head(
-                    c.hidden_size, c.intermediate_size, head.H, head.Hkv, head.D, float(c.rms_norm_eps),
-                    float(head.scale), self.hardware.dtype == torch.bfloat16, self.uses_dot, self.threads_used,
-                    self.max_batch, embed_weight.data, head.input_layernorm.weight.data,
-                    head.hidden_norm.weight.data, head.qkv_proj.weight.data, head.o_proj.weight.data,
-                    head.post_attention_layernorm.weight.data, head.mlp.gate_up_proj.weight.data,
-                    head.mlp.down_proj.weight.data, head.norm.weight.data, head.lm_head.weight.data,
-                    head.d2t.data, head.rotary.cos.float().contiguous(), head.rotary.sin.float().contiguous())
+                tensors, options = pack.head_weights(head, embed_weight)
+                kernel = self._load_extension().Head(tensors, **options, bf16=self.hardware.dtype == torch.bfloat16,
+                                                     dot=self.uses_dot, threads=self.threads_used,
+                                                     max_rows=self.max_batch)
             entry = self._others[id(head)] = (weakref.ref(head), kernel)
         return entry[1]
 
     # ------------------------------------------------------------------ kernels
-    @staticmethod
-    def _feed_forwards(model):
-        """Per layer the feed-forward kind: "dense" (MLP: gate_up_proj, down_proj) or "moe" (MoE: a router `gate`
-        and FusedMoE `experts` with stacked w13 / w2), plus the MoE settings shared by the MoE layers (experts,
-        expert intermediate size, top_k, renormalize); PluginMismatch names a layer of any other structure."""
-        kinds, moe = [], None
-        for i, lyr in enumerate(model.layers):
-            mlp = lyr.mlp
-            if hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj"):
-                kinds.append("dense")
-                continue
-            experts = getattr(mlp, "experts", None)
-            if experts is None or not hasattr(mlp, "gate") or not hasattr(experts, "w13") or \
-                    getattr(mlp.gate, "bias", None) is not None:
-                raise PluginMismatch(f"lowlat: layer {i}'s feed-forward ({type(mlp).__name__}) is neither a dense "
-                                     "SwiGLU MLP nor a routed MoE (bias-free router, FusedMoE experts)")
-            settings = (experts.num_experts, experts.inter, int(mlp.top_k), bool(mlp.renormalize))
-            if moe is not None and settings != moe:
-                raise PluginMismatch(f"lowlat: MoE layers differ in experts / size / top_k ({moe} vs {settings})")
-            moe = settings
-            kinds.append("moe")
-        return kinds, moe
-
     def _is_gemma(self, model):
         return model.cfg.architecture in self.GEMMA_ARCHITECTURES
 
-    def _rope_tables(self, model, need):
-        """Gemma's global cos, sin and local cos, sin tables, float32 [rows >= need, head_dim]: its own rotary
-        modules' lookup over positions 0..rows-1 (the values its forward uses; it keeps no table)."""
-        from lanner.models.gemma import FULL, SLIDING
-
-        rows = self.ROPE_ROWS
-        while rows < need:
-            rows *= 2
-        pos = torch.arange(rows)
-        return [t.reshape(rows, -1).contiguous() for kind in (FULL, SLIDING)
-                for t in model.rotary[kind].lookup(pos, torch.float32)]
-
     def _make_kernel(self, model):
-        c, dtype = model.cfg, self.hardware.dtype
-        gemma = self._is_gemma(model)
-        if gemma:
-            from lanner.models.gemma import SLIDING
-
-            rope = self._rope_tables(model, 0)  # the global tables go in as the Llama ones
+        dtype, gemma = self.hardware.dtype, self._is_gemma(model)
+        if gemma:  # the global tables go in as the Llama ones
+            rope = pack.rope_tables(model, 0, self.ROPE_ROWS)
         else:
             rope = [model.rotary.cos.float().contiguous(), model.rotary.sin.float().contiguous()]
-        layers = model.layers
-        att = [lyr.self_attn for lyr in layers]
-        kinds, moe = self._feed_forwards(model)
-        _, moe_inter, top_k, renorm = moe or (0, 0, 0, False)
-        none = torch.empty(0, dtype=dtype)  # the other kind's weight on a layer (no storage)
-
-        def per_layer(kind, get):
-            return [get(lyr.mlp).data if k == kind else none for lyr, k in zip(layers, kinds)]
-
-        # this rank's shard under TP (heads, intermediate size and vocabulary rows; whole models otherwise)
-        inter = next((lyr.mlp.inter for lyr, k in zip(layers, kinds) if k == "dense"), 0)
-
-        def w(mod):  # the dense weight, or an empty [N, 0] stand-in for stored blocks (set_quant passes those)
-            return torch.empty(mod.out_features, 0, dtype=dtype) if isinstance(mod, QuantLinear) else mod.weight.data
-
-        def packed(mod):
-            return mod.packed() if isinstance(mod, QuantLinear) else []
-
         with torch.no_grad():  # the model's own tensors, no copies: the kernel keeps references
-            kernel = self._load_extension().Model(
-                c.hidden_size, inter, c.num_layers, att[0].num_heads, att[0].num_kv_heads, c.head_dim,
-                float(c.rms_norm_eps), float(att[0].scale), dtype == torch.bfloat16, self.uses_dot, self.threads_used,
-                self.rows,
-                w(model.embed_tokens),
-                [lyr.input_layernorm.weight.data for lyr in layers],
-                [w(a.qkv_proj) for a in att],
-                [a.qkv_proj.bias.data for a in att] if att[0].qkv_proj.bias is not None else [],
-                [a.q_norm.weight.data for a in att] if att[0].q_norm is not None and not gemma else [],
-                [a.k_norm.weight.data for a in att] if att[0].k_norm is not None and not gemma else [],
-                [w(a.o_proj) for a in att],
-                # the MLP's input norm (Gemma: pre_feedforward_layernorm; set_gemma passes its (1 + w) below)
-                [(lyr.pre_feedforward_layernorm if gemma else lyr.post_attention_layernorm).weight.data
-                 for lyr in layers],
-                per_layer("dense", lambda m: w(m.gate_up_proj)),
-                per_layer("dense", lambda m: w(m.down_proj)),
-                model.norm.weight.data, rope[0], rope[1],
-                moe_inter, top_k, renorm, [int(k == "moe") for k in kinds],
-                per_layer("moe", lambda m: m.gate.weight),
-                per_layer("moe", lambda m: m.experts.w13),
-                per_layer("moe", lambda m: m.experts.w2))
+            tensors, options = pack.model_weights(model, dtype, gemma, rope)
+            kernel = self._load_extension().Model(tensors, **options, bf16=dtype == torch.bfloat16, dot=self.uses_dot,
+                                                  threads=self.threads_used, max_rows=self.rows)
             if gemma:
-                def one_plus(norms):  # GemmaRMSNorm's float32 (1 + w): the kernel rounds once, after the product
-                    return [1.0 + n.weight.float() for n in norms]
-
-                kernel.set_gemma(one_plus(lyr.input_layernorm for lyr in layers),
-                                 one_plus(lyr.post_attention_layernorm for lyr in layers),
-                                 one_plus(lyr.pre_feedforward_layernorm for lyr in layers),
-                                 one_plus(lyr.post_feedforward_layernorm for lyr in layers),
-                                 one_plus(a.q_norm for a in att), one_plus(a.k_norm for a in att),
-                                 1.0 + model.norm.weight.float(), [int(lyr.layer_type == SLIDING) for lyr in layers],
-                                 int(model.window or 0), float(model.embed_scale(dtype)))
+                kernel.set_gemma(*pack.gemma_settings(model, dtype))
                 kernel.set_rope(*rope)
         if any(isinstance(m, QuantLinear) for m in model.modules()):
-            ws = [packed(m) for lyr, a in zip(layers, att)
-                  for m in (a.qkv_proj, a.o_proj, getattr(lyr.mlp, "gate_up_proj", None), getattr(lyr.mlp, "down_proj", None))]
-            kernel.set_quant([*ws, packed(model.embed_tokens)], self.ACT_MODES.index(self.act))
+            kernel.set_quant(pack.stored_weights(model), self.ACT_MODES.index(self.act))
             for m in model.modules():  # the engine's own prefill matmuls dequantize their tiles here too
                 if isinstance(m, QuantLinear):
                     m.tile_kernel = kernel.dequant_t

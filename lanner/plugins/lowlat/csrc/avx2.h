@@ -1,5 +1,5 @@
 // lowlat on AVX2 + FMA + F16C CPUs (no AVX-512): the AVX-512 intrinsics lowlat uses, each on a pair of 256-bit
-// halves. lowlat.cpp includes this after <immintrin.h> when the compiler targets no AVX-512F (an AVX2-only CPU,
+// halves. common.h includes this after <immintrin.h> when the compiler targets no AVX-512F (an AVX2-only CPU,
 // or the plugin's isa="avx2"); the macros at the end map the _mm512 names onto these functions, so the kernels
 // stay one source. Lane-wise arithmetic is the same instruction per lane, and the reductions add in the order
 // GCC's _mm512_reduce_* do, so results are bit-identical to the AVX-512F build (tests/test_lowlat_avx2.py).

@@ -26,6 +26,7 @@
 // Batch invariance: a (weight row, activation row) pair is one lane under the same instruction sequence whatever
 // the number of rows in the step or how they are grouped, so a row's output bits do not depend on the other rows.
 #pragma once
+#include "common.h"
 
 namespace lowlat {
 

@@ -1,0 +1,409 @@
+// lowlat's attention over the paged KV cache: one item (a sequence's run of q heads over its keys) at a time,
+// with PyTorch's CPU flash attention arithmetic; Model::attention runs it on its own for tests.
+#pragma once
+#include "model.h"
+
+namespace lowlat {
+
+static int64_t g_attn_prefetch = 2;  // attention: key / value tiles prefetched ahead (0: off; _set_attn_prefetch)
+
+// one attention item: the q heads h0 .. h0 + nh - 1 of one kv group (GQA), rows t0..t0+nq-1 of q at positions
+// pos[t] over keys 0..ctx-1. Each key and value vector is loaded once for all the item's (row, head) pairs.
+// The arithmetic follows PyTorch's CPU flash attention (what the engine's SDPA runs), so that bf16 results
+// agree bit for bit in nearly all elements: keys in blocks of 512 with an online softmax (running max,
+// rescaled sum and output); fexp_u20 (bf16) / exp_u20 (float32) on the 16-wide part of a block and std::exp
+// on its tail, where the block length is that of the padded batch (kv_len = max ctx over the batch); the sum
+// over float32 exponentials; bf16 models round the exponentials to bf16 for P @ V; output times 1 / sum.
+// Every (row, head) pair runs the same instructions in the same order whatever else shares its item, so how
+// heads are grouped into items (a scheduling choice) never changes a result.
+// anc: a draft tree's rows (nullptr: causal rows): row i reads the context before the step's first row and, of
+// the step's rows, those whose bit is set in anc[i] (its ancestors and itself), in that order: the keys, and so
+// the arithmetic, of a one-row step at its position (the depth) after its path was accepted.
+// win > 0 (a sliding-window layer): row i reads only the keys at positions > pos - win (its own position, tree
+// rows too); the key blocks stay at multiples of 512, so a row's arithmetic still depends on its keys alone
+template <typename WT, typename XT>
+inline void Model::attend(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
+                          const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0,
+                          int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc,
+                          int64_t win) const {
+  switch (D / 16) {  // the head size as a constant: the key, value and accumulator vectors stay in registers
+    case 4: return attend_nv<WT, XT, 4>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+    case 8: return attend_nv<WT, XT, 8>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+    case 16: return attend_nv<WT, XT, 16>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+    default: return attend_nv<WT, XT, 0>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+  }
+}
+
+template <typename WT, typename XT, int NV>  // NV: D / 16, or 0 for any other head size (read at run time)
+inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx,
+                             int64_t kv_len, const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc,
+                             int64_t h0, int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O,
+                             const int64_t* anc, int64_t win) const {
+  constexpr int64_t kBlock = 512, kTile = 16, ldS = kBlock + kTile;  // (a tile's 16 scores may pass a block's end)
+  constexpr bool kBf = std::is_same<WT, bf16_t>::value;
+  constexpr int kReg = NV > 0 ? NV : 1;
+  const int64_t nv = NV > 0 ? NV : D / 16;
+  // the item's kv groups g0 .. g1 - 1 (adjacent in each cache row, read together); item row r = (step row r / nh,
+  // head h0 + r % nh)
+  const int64_t rep = H / Hkv, g0 = h0 / rep, g1 = (h0 + nh - 1) / rep + 1, ldq = H * D, R = nq * nh;
+  auto heads_of = [&](int64_t gg, int64_t& a, int64_t& b) {  // the item's heads (offsets from h0) in group gg
+    a = std::max(h0, gg * rep) - h0;
+    b = std::min(h0 + nh, (gg + 1) * rep) - h0;
+  };
+  const int64_t ng = g1 - g0;
+  const int64_t need = R * ldS + (ng * kTile + 1) * D + (R + ng * kTile) * D / 2;
+  if ((int64_t)S.size() < need) S.resize(need);
+  if ((int64_t)O.size() < R * (D + 2)) O.resize(R * (D + 2));
+  // per kv group of the item, 16 keys or values as float32, then a zero row. The tiles are filled for all the
+  // item's groups at once, key by key, so that the cache is read in address order (group by group the reads
+  // strided through each row and the hardware prefetchers lagged: decode attention took 1.5-2.4x longer)
+  float* tile = S.data() + R * ldS;
+  float* zero = tile + ng * kTile * D;
+  std::fill(zero, zero + D, 0.f);
+#ifdef __AVX512BF16__
+  // bf16 dot products: with bf16-exact q, keys, values and exponentials every product is exact in float32, and
+  // vdpbf16ps adds a lane's odd element pair, then its even one, each sum rounded to nearest: the two roundings
+  // of two FMAs. q and the keys are permuted so that lane l's odd / even elements are dims 32c + l / 32c + 16 + l
+  // (the FMA path's chain order over its vectors 2c, 2c + 1), value pairs so that they are keys k / k + 1. So
+  // the bits are the FMA path's (vdpbf16ps flushes denormals, which these values do not reach), with half the
+  // multiply instructions and no float32 copy of the keys and values.
+  constexpr bool kPairs = kBf && NV > 0 && NV % 2 == 0;
+  const bool pairs = kPairs && attn_dot;
+  // lanes 2l / 2l + 1 <- elements 16 + l / l of a 32-element vector
+  const __m512i perm = _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24, 7, 23, 6, 22,
+                                        5, 21, 4, 20, 3, 19, 2, 18, 1, 17, 0, 16);
+  uint16_t* qb = reinterpret_cast<uint16_t*>(zero + D);  // the item's q rows, bf16, permuted: [R][D]
+  uint16_t* bt16 = qb + R * D;  // per kv group, 16 keys or 8 value pairs, permuted (filled as the tiles above)
+  if (pairs)
+    for (int64_t r = 0; r < R; r++) {
+      const float* qi = q + (t0 + r / nh) * ldq + (h0 + r % nh) * D;
+      for (int64_t c = 0; c < D / 32; c++) {
+        const __m512i b =
+            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qi + 32 * c + 16), _mm512_loadu_ps(qi + 32 * c));
+        _mm512_storeu_si512(qb + r * D + 32 * c, _mm512_permutexvar_epi16(perm, b));
+      }
+    }
+#endif
+  float* mx = O.data() + R * D;  // running max and sum per item row
+  float* sum = mx + R;
+  const __m512 scv = _mm512_set1_ps(float(scale));
+  int64_t lim[kMaxRows], lo[kMaxRows];
+  int64_t maxlim = 0, minlo = ctx;
+  const int64_t c0 = ctx - nq;  // slot position of the step's first row
+  int8_t path[64][64];  // tree row i's k-th key past the context is step row path[i][k] (a tree has <= 63 rows)
+  if (anc != nullptr)
+    for (int64_t i = 0; i < nq; i++)
+      for (int64_t r = 0, k = 0; r <= i; r++)
+        if ((anc[i] >> r) & 1) path[i][k++] = int8_t(r);
+  // the cache slot of row i's j-th key (a shift and a mask for the usual power-of-two block size: an int64
+  // division per key costs more than its dot product)
+  const int shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(uint64_t(bs)) : -1;
+  auto slot = [&](int64_t i, int64_t j) {
+    const int64_t p = anc != nullptr && j >= c0 ? c0 + path[i][j - c0] : j;
+    return shift >= 0 ? (bt[p >> shift] << shift) + (p & (bs - 1)) : bt[p / bs] * bs + p % bs;
+  };
+  for (int64_t i = 0; i < nq; i++) {
+    lim[i] = anc != nullptr ? c0 + __builtin_popcountll(uint64_t(anc[i])) : std::min(pos[t0 + i] + 1, ctx);
+    lo[i] = win > 0 ? std::max<int64_t>(0, pos[t0 + i] - win + 1) : 0;
+    maxlim = std::max(maxlim, lim[i]);
+    minlo = std::min(minlo, lo[i]);
+  }
+  std::fill(mx, mx + R, -INFINITY);
+  std::fill(sum, sum + R, 0.f);
+  std::fill(O.begin(), O.begin() + R * D, 0.f);
+  auto kv_at = [&](const WT* c, int64_t i, int64_t j, int64_t gg) { return c + (slot(i, j) * Hkv + gg) * D; };
+  // the cache rows of the item's groups for keys j0 .. j0 + n_tiles * 16 - 1 (< end) into L2, each 64-byte line
+  // once, ahead of their tiles: blocks sit scattered, so the hardware prefetchers restart at every block and the
+  // tiles waited on memory (one decode row at 2000 tokens, 30 layers: 7.6 ms from DRAM, 3.2-4.1 from L3; with
+  // this 4.6). Inline asm: GCC 12 dropped _mm_prefetch here. Into L1 it gained nothing (the misses queue there).
+  auto prefetch = [&](const WT* c, int64_t j0, int64_t n_tiles, int64_t end) {
+    if (g_attn_prefetch == 0) return;
+    const int64_t bytes = (g1 - g0) * D * int64_t(sizeof(WT));
+    uintptr_t next = 0;  // the first line not yet prefetched (rows of one block are adjacent)
+    for (int64_t j = std::max<int64_t>(j0, 0), je2 = std::min(j0 + n_tiles * kTile, end); j < je2; j++) {
+      const uintptr_t a = reinterpret_cast<uintptr_t>(kv_at(c, 0, j, g0));
+      for (uintptr_t l = std::max(a & ~uintptr_t(63), next); l < a + bytes; l += 64)
+        asm volatile("prefetcht1 %0" : : "m"(*reinterpret_cast<const char*>(l)));
+      next = (a + bytes + 63) & ~uintptr_t(63);
+    }
+  };
+  // keys (or values) j0 .. j0 + nk - 1, shared by all rows, as float32 rows; zeros past nk
+  const float* rows[kTile];
+  auto gather = [&](const WT* c, int64_t j0, int64_t nk, int64_t gg) {
+    for (int64_t k = 0; k < kTile; k++) {
+      if (k >= nk) {
+        rows[k] = zero;
+        continue;
+      }
+      if (gg == g0)
+        for (int64_t g = g0; g < g1; g++) {
+          const WT* p = kv_at(c, 0, j0 + k, g);
+          float* t = tile + ((g - g0) * kTile + k) * D;
+          for (int64_t v = 0; v < nv; v++) _mm512_storeu_ps(t + v * 16, load16(p + v * 16));
+        }
+      rows[k] = tile + ((gg - g0) * kTile + k) * D;
+    }
+  };
+#ifdef __AVX512BF16__
+  // the keys j0 .. j0 + nk - 1 of all the item's groups (zeros past nk), permuted
+  auto fill_keys = [&](int64_t j0, int64_t nk) {
+    for (int64_t k = 0; k < kTile; k++)
+      for (int64_t g = g0; g < g1; g++) {
+        const WT* p = k < nk ? kv_at(kc, 0, j0 + k, g) : reinterpret_cast<const WT*>(zero);
+        for (int64_t c = 0; c < NV / 2; c++)
+          _mm512_storeu_si512(bt16 + ((g - g0) * kTile + k) * D + 32 * c,
+                              _mm512_permutexvar_epi16(perm, _mm512_loadu_si512((const void*)(p + 32 * c))));
+      }
+  };
+  // the values as 8 pairs [v(k) | v(k + 1)] per 16 dims, permuted
+  auto fill_value_pairs = [&](int64_t j0, int64_t nk) {
+    for (int64_t m = 0; m < kTile / 2; m++)
+      for (int64_t g = g0; g < g1; g++) {
+        const WT* pa = 2 * m < nk ? kv_at(vc, 0, j0 + 2 * m, g) : reinterpret_cast<const WT*>(zero);
+        const WT* pb = 2 * m + 1 < nk ? kv_at(vc, 0, j0 + 2 * m + 1, g) : reinterpret_cast<const WT*>(zero);
+        for (int64_t v = 0; v < NV; v++) {
+          const __m512i ab =
+              _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(pa + 16 * v))),
+                                 _mm256_loadu_si256((const __m256i*)(pb + 16 * v)), 1);
+          _mm512_storeu_si512(bt16 + (g - g0) * kTile * D + (m * NV + v) * 32, _mm512_permutexvar_epi16(perm, ab));
+        }
+      }
+  };
+#endif
+  // one (row, head)'s score for one key: the 16-wide FMA chain, then the horizontal sum
+  auto dot = [&](const float* qi, const WT* kp) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t v = 0; v < nv; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + v * 16), load16(kp + v * 16), acc);
+    return _mm512_reduce_add_ps(acc) * float(scale);
+  };
+  for (int64_t n0 = minlo / kBlock * kBlock; n0 < maxlim; n0 += kBlock) {
+    const int64_t n1 = std::min(n0 + kBlock, maxlim);
+    const int64_t vec_end = n0 + (std::min(kBlock, kv_len - n0) / 16) * 16;  // exp_u20 below, std::exp above
+    const int64_t jb = std::max(n0, minlo);
+    // keys every row shares: jb .. je - 1; a draft tree's rows read their own keys from c0 on
+    const int64_t je = anc != nullptr ? std::min(n1, std::max(c0, jb)) : n1, jt = std::max(jb, je);
+    // scores of this block: S[r][j - n0]; 16 keys at a time, summed across lanes together (reduce16: the
+    // bits of _mm512_reduce_add_ps per key)
+    if (n0 == minlo / kBlock * kBlock) prefetch(kc, jb, g_attn_prefetch, je);
+    for (int64_t j0 = jb; j0 < je; j0 += kTile) {
+      const int64_t nk = std::min(kTile, je - j0);
+      prefetch(kc, j0 + g_attn_prefetch * kTile, 1, je);
+      for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
+        heads_of(gg, ha, hb);
+#ifdef __AVX512BF16__
+        if (pairs) {
+          if (gg == g0) fill_keys(j0, nk);
+        } else
+#endif
+          gather(kc, j0, nk, gg);
+        for (int64_t i = 0; i < nq; i++) {
+          if (j0 >= lim[i] || j0 + nk <= lo[i]) continue;
+          for (int64_t hh = ha; hh < hb; hh++) {
+            const float* qi = q + (t0 + i) * ldq + (h0 + hh) * D;
+            __m512 acc[kTile];
+            for (int64_t k = 0; k < kTile; k++) acc[k] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+            if (pairs) {
+              const uint16_t* qr = qb + (i * nh + hh) * D;
+              const uint16_t* kt = bt16 + (gg - g0) * kTile * D;
+              __m512bh qv[kPairs ? NV / 2 : 1];
+              for (int c = 0; c < NV / 2; c++) qv[c] = (__m512bh)_mm512_loadu_si512((const void*)(qr + 32 * c));
+              for (int64_t k = 0; k < kTile; k++)
+                for (int c = 0; c < NV / 2; c++) acc[k] = dpbf16_mem(acc[k], qv[c], kt + k * D + 32 * c);
+            } else
+#endif
+            if constexpr (NV > 0) {
+              __m512 qv[kReg];
+              for (int v = 0; v < NV; v++) qv[v] = _mm512_loadu_ps(qi + v * 16);
+              for (int64_t k = 0; k < kTile; k++)
+                for (int v = 0; v < NV; v++)
+                  acc[k] = _mm512_fmadd_ps(qv[v], _mm512_loadu_ps(rows[k] + v * 16), acc[k]);
+            } else {
+              for (int64_t v = 0; v < nv; v++) {
+                const __m512 qv = _mm512_loadu_ps(qi + v * 16);
+                for (int64_t k = 0; k < kTile; k++)
+                  acc[k] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[k] + v * 16), acc[k]);
+              }
+            }
+            _mm512_storeu_ps(S.data() + (i * nh + hh) * ldS + j0 - n0, _mm512_mul_ps(reduce16(acc), scv));
+          }
+        }
+      }
+    }
+    for (int64_t j = jt; j < n1; j++)  // a draft tree's own rows
+      for (int64_t i = 0; i < nq; i++) {
+        if (j >= lim[i] || j < lo[i]) continue;
+        for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
+          const WT* kp = kv_at(kc, i, j, gg);
+          heads_of(gg, ha, hb);
+          for (int64_t hh = ha; hh < hb; hh++)
+            S[(i * nh + hh) * ldS + j - n0] = dot(q + (t0 + i) * ldq + (h0 + hh) * D, kp);
+        }
+      }
+    prefetch(vc, jb, g_attn_prefetch, je);  // the first value tiles load while the softmax runs
+    // online softmax update per item row
+    for (int64_t r = 0; r < R; r++) {
+      const int64_t i = r / nh;
+      const int64_t s0 = std::max(lo[i], n0) - n0;  // valid keys of row i in this block: s0 .. s0 + n - 1
+      const int64_t n = std::min(lim[i], n1) - n0 - s0;
+      if (n <= 0) continue;
+      float* srow = S.data() + r * ldS + s0;
+      __m512 mv = _mm512_set1_ps(mx[r]);  // the running max (a max is exact: the order is free)
+      for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 mk = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 x = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), _mm512_maskz_loadu_ps(mk, srow + j));
+        mv = _mm512_max_ps(mv, x);
+      }
+      const float m = _mm512_reduce_max_ps(mv);
+      mv = _mm512_set1_ps(m);
+      const int64_t nvec = (invariant ? n : std::max<int64_t>(0, std::min(n, vec_end - n0 - s0))) / 16 * 16;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t j = 0; j < nvec; j += 16) {
+        const __m512 xm = _mm512_sub_ps(_mm512_loadu_ps(srow + j), mv);
+        __m512 e = kBf ? exp512_fast(xm) : exp512_u20(xm);
+        acc = _mm512_add_ps(acc, e);
+        if (kBf) e = rbf16(e);
+        _mm512_storeu_ps(srow + j, e);
+      }
+      float bsum = _mm512_reduce_add_ps(acc);
+      for (int64_t j = nvec; j < n; j++) {
+        const float e = std::exp(srow[j] - m);
+        bsum += e;
+        srow[j] = kBf ? rbf(e) : e;
+      }
+      const float corr = std::exp(mx[r] - m);  // exp(-inf) = 0 on the first block
+      sum[r] = bsum + corr * sum[r];
+      mx[r] = m;
+      if (n0 > 0) {  // (zeros times 0 on a windowed row's first block)
+        float* o = O.data() + r * D;
+        for (int64_t d = 0; d < D; d++) o[d] *= corr;
+      }
+    }
+    // P @ V for this block, keys in ascending order: the shared ones 16 at a time, each (row, head)'s output
+    // held in registers over the tile, then a tree's own rows
+    for (int64_t j0 = jb; j0 < je; j0 += kTile) {
+      const int64_t nk = std::min(kTile, je - j0);
+      prefetch(vc, j0 + g_attn_prefetch * kTile, 1, je);
+      if (j0 + kTile >= je && n1 < maxlim) prefetch(kc, n1, g_attn_prefetch, std::min(n1 + kBlock, maxlim));
+      for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
+        heads_of(gg, ha, hb);
+#ifdef __AVX512BF16__
+        if (pairs) {
+          if (gg == g0) fill_value_pairs(j0, nk);
+        } else
+#endif
+          gather(vc, j0, nk, gg);
+        for (int64_t i = 0; i < nq; i++) {
+          const int64_t ka = std::max(j0, lo[i]) - j0, kb = std::min(j0 + nk, lim[i]) - j0;
+          if (ka >= kb) continue;
+          for (int64_t hh = ha; hh < hb; hh++) {
+            const int64_t r = i * nh + hh;
+            const float* sr = S.data() + r * ldS + j0 - n0;
+            float* o = O.data() + r * D;
+#ifdef __AVX512BF16__
+            if (pairs) {
+              // the exponentials as bf16 pairs (p(k) in the odd half, p(k + 1) in the even one); a key outside
+              // [ka, kb) gets p = 0: a zero product leaves a sum unchanged (o is never -0)
+              const uint16_t* vt = bt16 + (gg - g0) * kTile * D;
+              const __mmask16 mk = (__mmask16)(((1u << kb) - 1) & ~((1u << ka) - 1));
+              alignas(32) uint32_t pp[kTile / 2];
+              const __m256i pb16 = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mk, sr));
+              _mm256_store_si256((__m256i*)pp, _mm256_rol_epi32(pb16, 16));
+              __m512 ov[kReg];
+              for (int v = 0; v < NV; v++) ov[v] = _mm512_loadu_ps(o + v * 16);
+              const uint16_t* vp = vt + (ka / 2) * NV * 32;
+              for (int64_t m = ka / 2; 2 * m < kb; m++, vp += NV * 32) {
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32(int(pp[m]));
+                for (int v = 0; v < NV; v++) ov[v] = dpbf16_mem(ov[v], pv, vp + v * 32);
+              }
+              for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + v * 16, ov[v]);
+            } else
+#endif
+            if constexpr (NV > 0) {
+              __m512 ov[kReg];
+              for (int v = 0; v < NV; v++) ov[v] = _mm512_loadu_ps(o + v * 16);
+              for (int64_t k = ka; k < kb; k++) {
+                const __m512 p = _mm512_set1_ps(sr[k]);
+                for (int v = 0; v < NV; v++) ov[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[k] + v * 16), ov[v]);
+              }
+              for (int v = 0; v < NV; v++) _mm512_storeu_ps(o + v * 16, ov[v]);
+            } else {
+              for (int64_t k = ka; k < kb; k++) {
+                const __m512 p = _mm512_set1_ps(sr[k]);
+                for (int64_t v = 0; v < nv; v++)
+                  _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, _mm512_loadu_ps(rows[k] + v * 16),
+                                                               _mm512_loadu_ps(o + v * 16)));
+              }
+            }
+          }
+        }
+      }
+    }
+    for (int64_t j = jt; j < n1; j++)
+      for (int64_t i = 0; i < nq; i++) {
+        if (j >= lim[i] || j < lo[i]) continue;
+        for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
+          const WT* vp = kv_at(vc, i, j, gg);
+          heads_of(gg, ha, hb);
+          for (int64_t hh = ha; hh < hb; hh++) {
+            const int64_t r = i * nh + hh;
+            const __m512 p = _mm512_set1_ps(S[r * ldS + j - n0]);
+            float* o = O.data() + r * D;
+            for (int64_t v = 0; v < nv; v++)
+              _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, load16(vp + v * 16), _mm512_loadu_ps(o + v * 16)));
+          }
+        }
+      }
+  }
+  for (int64_t r = 0; r < R; r++) {
+    const int64_t i = r / nh, h = h0 + r % nh;
+    const float inv = 1.0f / sum[r];
+    for (int64_t d = 0; d < D; d++) stf<XT>(ain, (t0 + i) * ldq + h * D + d, rnd<WT>(O[r * D + d] * inv));
+  }
+}
+
+// the attention kernel on its own, for tests: q [T, H*D] (RoPE applied) over caches [slots, Hkv, D] that
+// already hold this step's K/V -> [T, H*D] in the model dtype
+inline torch::Tensor Model::attention(torch::Tensor qt, torch::Tensor kc, torch::Tensor vc, torch::Tensor positions,
+                                      std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens,
+                                      std::vector<std::vector<int64_t>> bts, int64_t bs) const {
+  const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
+  const int64_t T = qt.size(0), B = (int64_t)q_lens.size();
+  TORCH_CHECK(qt.dim() == 2 && qt.size(1) == H * D && T <= kMaxRows && positions.numel() == T &&
+                  positions.scalar_type() == torch::kLong && kc.scalar_type() == wdt && vc.sizes() == kc.sizes() &&
+                  vc.scalar_type() == wdt && kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 &&
+                  kc.size(1) == Hkv && kc.size(2) == D && B >= 1 && (int64_t)ctx_lens.size() == B &&
+                  (int64_t)bts.size() == B && bs >= 1,
+              "lowlat.attention: bad inputs");
+  auto qf = qt.to(torch::kFloat32).contiguous();
+  auto pos = positions.contiguous();
+  std::vector<int64_t> row0(B);
+  for (int64_t b = 0, t = 0; b < B; t += q_lens[b], b++) {
+    row0[b] = t;
+    TORCH_CHECK(q_lens[b] >= 1 && ctx_lens[b] >= q_lens[b] && (int64_t)bts[b].size() * bs >= ctx_lens[b],
+                "lowlat.attention: sequence ", b, " does not fit its block table");
+    for (int64_t j = 0; j < (ctx_lens[b] + bs - 1) / bs; j++)
+      TORCH_CHECK(bts[b][j] >= 0 && (bts[b][j] + 1) * bs <= kc.size(0), "lowlat.attention: block out of range");
+    for (int64_t i = 0; i < q_lens[b]; i++)
+      TORCH_CHECK(t + i < T && pos.data_ptr<int64_t>()[t + i] == ctx_lens[b] - q_lens[b] + i,
+                  "lowlat.attention: positions do not match q_lens/ctx_lens");
+  }
+  const int64_t kv_len = *std::max_element(ctx_lens.begin(), ctx_lens.end());
+  std::vector<float> S, O, outf(T * H * D);
+  auto run_all = [&](auto tag) {
+    using WT = decltype(tag);
+    const int64_t n = items_per_sequence(B, 1);  // the forward's items on one thread
+    for (int64_t it = 0; it < B * n; it++) {
+      const int64_t b = it / n, k = it % n;
+      attend<WT, float>(qf.data_ptr<float>(), pos.data_ptr<int64_t>(), row0[b], q_lens[b], ctx_lens[b], kv_len,
+                        bts[b], bs, reinterpret_cast<const WT*>(kc.data_ptr()),
+                        reinterpret_cast<const WT*>(vc.data_ptr()), item_head(k, n), item_heads(k, n), outf.data(),
+                        S, O);
+    }
+  };
+  if (bf16) run_all(bf16_t{});
+  else run_all(float{});
+  return torch::from_blob(outf.data(), {T, H * D}, torch::kFloat32).to(wdt).clone();
+}
+
+}  // namespace lowlat
