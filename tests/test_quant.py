@@ -327,7 +327,7 @@ def test_avx2_build_is_bit_identical(models, plugins):
         p.check(cfg, hw)
         model = dense if act == "dense" else stored
         p.build(model, cfg, hw)
-        assert p._load_extension().isa == "avx2" and plugins[act]._load_extension().isa == "avx512"
+        assert p.extension().isa == "avx2" and plugins[act].extension().isa == "avx512"
         kv_a, kv_b = kv_caches(cfg), kv_caches(cfg)
         for rows in ([(PROMPT, 0, [0, 1, 2])], [([5000, 6, 7], 30, [0, 1, 2]), (list(range(9)), 0, [5])]):
             got, want = forward_rows(model, p, kv_a, rows), forward_rows(model, plugins[act], kv_b, rows)

@@ -7,7 +7,6 @@ import sys
 import torch
 
 from lanner import LLM, SamplingParams
-from lanner.engine.llm_engine import LLMEngine
 
 torch.set_num_threads(1)
 model = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] != "default" else None
@@ -23,7 +22,7 @@ prompts = ["The history of the Roman Empire", "def quicksort(arr):",
 best, outputs = {}, {}
 for rnd in range(3):
     for fused in (True, False):
-        eng._argmax_only = LLMEngine._argmax_only if fused else (lambda items: False)
+        eng.fused_argmax = fused
         seconds.clear(), rows.clear()
         tokens = 0
         for p in prompts:

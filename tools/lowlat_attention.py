@@ -27,7 +27,7 @@ for dt in (torch.float32, torch.bfloat16):
     hw = Hardware.detect("cpu", dt)
     plug.check(cfg, hw)
     plug.build(model, cfg, hw)
-    kernel = plug._kernel
+    kernel = plug.kernel
     for ctx in (500, 2000, 4000):
         nblk = (ctx + bs - 1) // bs + 1
         torch.manual_seed(0)

@@ -13,7 +13,7 @@ torch.set_num_threads(1)
 text = open(__file__.replace("tools/lowlat_decode_profile.py", "docs/quantized.md")).read()
 for dtype in sys.argv[1:] or ["bfloat16", "float32"]:
     llm = LLM(spec="none", dtype=dtype, plugin="lowlat", plugin_options={"lowlat": {"threads": 1}})
-    kernel = llm.engine.plugins.plugins[0]._kernel
+    kernel = llm.engine.plugins.plugins[0].kernel
     kernel.profile = True
     for chars in (2500, 7000):
         prompt = text[:chars] + "\n\nSummarize the above."

@@ -26,7 +26,7 @@ for dt in (torch.bfloat16, torch.float32):
         res = {}
         for rep in range(3):
             for inv in (False, True):
-                plug._kernel.invariant = inv
+                plug.kernel.invariant = inv
                 t = time.perf_counter()
                 for _ in range(10):
                     forward_rows(model, plug, kv, [(list(range(5, 5 + rows)), 500, table)])

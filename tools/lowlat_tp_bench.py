@@ -48,7 +48,7 @@ def run_system(name: str, a, prompt) -> tuple[float, list[int], dict]:
     with LLM(**kw) as llm:
         llm.generate(prompt, params)  # warm-up: first touch of weights and caches
         rt = llm.engine.plugins
-        kernel = rt.plugins[0]._kernel if rt and spec["tp"] > 1 else None
+        kernel = rt.plugins[0].kernel if rt and spec["tp"] > 1 else None
         if kernel is not None:
             kernel.tp_wait_stats()  # reset
         t = time.perf_counter()

@@ -2,8 +2,8 @@
 rows (--rows): one `qlinear` pass over every quantized matrix but the embedding / LM head (the working set of a decode
 step's matmuls, larger than L3), best of 8 per round, 3 rounds, ms per pass. What a verify row costs next
 to a decode row in the matmuls (the hybrid speculation's row cost, docs/speculation.md).
---prefetch and --block-rows take comma-separated values (lowlat's _set_qprefetch: bytes of codes prefetched
-ahead, 0 off; _set_block_rows: activation rows per block, 0 the mode's own); every combination runs in the same
+--prefetch and --block-rows take comma-separated values (lowlat's set_qprefetch: bytes of codes prefetched
+ahead, 0 off; set_block_rows: activation rows per block, 0 the mode's own); every combination runs in the same
 process, alternated per round, for an A/B.
 Usage: python tools/qgemv_rows.py [--threads N] [--act q8|q16|float] [--prefetch 0,3072] [--block-rows 4,5]
        [--rows 1,2,4] [--model GGUF] [--isa auto|avx512|avx2]"""
@@ -32,7 +32,7 @@ llm = LLM(model=args.model, weights="stored", dtype="float32", plugin="lowlat",
           plugin_options={"lowlat": {"threads": args.threads, "act": args.act, "isa": args.isa}},
           spec=None, kv_cache_memory="0.05GiB")
 plugin = llm.engine.plugins.plugins[0]
-kernel, ext = plugin._kernel, plugin._load_extension()
+kernel, ext = plugin.kernel, plugin.extension()
 linears = [(m.packed(), m.out_features, m.in_features) for n, m in llm.engine.kv.runner.model.named_modules()
            if isinstance(m, QuantLinear) and "lm_head" not in n and "embed" not in n]
 g = torch.Generator().manual_seed(0)
@@ -44,9 +44,9 @@ for rows in rows_list:
         for cfg in configs:
             prefetch, block = cfg
             if prefetch is not None:
-                ext._set_qprefetch(prefetch)
+                ext.set_qprefetch(prefetch)
             if block is not None:
-                ext._set_block_rows(block)
+                ext.set_block_rows(block)
             for _ in range(8):
                 t0 = time.perf_counter()
                 for packed, n, k in linears:

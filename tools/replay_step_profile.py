@@ -22,8 +22,8 @@ llm = LLM(spec=None if spec == "none" else spec, draft="default" if spec == "hyb
           plugin="lowlat", plugin_options={"lowlat": {"threads": 1, "act": act}})
 eng = llm.engine
 plugin = eng.plugins.plugins[0]
-plugin._load_extension()._set_attn_prefetch(int(sys.argv[3]) if len(sys.argv) > 3 else 2)
-kernel = plugin._kernel
+plugin.extension().set_attn_prefetch(int(sys.argv[3]) if len(sys.argv) > 3 else 2)
+kernel = plugin.kernel
 kernel.profile = True
 phases = [0.0] * 5  # lowlat's phases over the decode / verify steps
 by_rows_phases = collections.defaultdict(list)  # rows -> each such step's phases

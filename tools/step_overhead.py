@@ -17,7 +17,7 @@ mode = sys.argv[2] if len(sys.argv) > 2 else "plain"
 torch.set_num_threads(threads)
 hybrid = mode == "hybrid"
 llm = LLM(spec="hybrid" if hybrid else None, plugin="lowlat", plugin_options={"lowlat": {"threads": threads}})
-kernel = llm.engine.plugins.plugins[0]._kernel
+kernel = llm.engine.plugins.plugins[0].kernel
 steps = 0
 engine_step = llm.engine.step
 

@@ -65,7 +65,7 @@ def run(args, engine_options: dict) -> dict:
             if prompt_ids is None:
                 prompt_ids = [latency.encode_prompt(llm.tokenizer, p) for p in latency.PROMPTS[: args.prompts]]
                 warm_ids = latency.encode_prompt(llm.tokenizer, latency.WARMUP_PROMPT)
-            kernel = llm.engine.plugins.plugins[0]._kernel if llm.engine.plugins else None
+            kernel = llm.engine.plugins.plugins[0].kernel if llm.engine.plugins else None
             if kernel is not None:
                 kernel.profile = True
             runs[name] = latency.bench_lanner(llm, prompt_ids, args.max_tokens)

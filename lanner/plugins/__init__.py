@@ -60,16 +60,16 @@ def load_plugin(name: str, options: dict | None = None) -> Plugin:
     return plugin
 
 
-def select_plugins(spec: str | None, model_config, hardware: Hardware, options: dict | None = None) -> list[Plugin]:
-    """spec: None/"none" -> []; "auto" -> every installed plugin (entry point) that supports the model and passes
+def select_plugins(choice: str | None, model_config, hardware: Hardware, options: dict | None = None) -> list[Plugin]:
+    """choice: None/"none" -> []; "auto" -> every installed plugin (entry point) that supports the model and passes
     check (others are skipped with a log line; plugins registered in code are used only when named: auto is the
     default, and a test's or notebook's plugin must not slip into every engine); "a,b" -> exactly these, and any
     that does not fit raises PluginMismatch. options: {plugin name: {option: value}}."""
-    if spec in (None, "", "none"):
+    if choice in (None, "", "none"):
         return []
     options = options or {}
-    auto = spec == "auto"
-    names = sorted(discover()) if auto else [n.strip() for n in spec.split(",") if n.strip()]
+    auto = choice == "auto"
+    names = sorted(discover()) if auto else [n.strip() for n in choice.split(",") if n.strip()]
     unknown = set(options) - set(names)
     if unknown and not auto:
         raise PluginMismatch(f"plugin options given for {sorted(unknown)}, which are not selected")

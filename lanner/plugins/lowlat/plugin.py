@@ -168,9 +168,15 @@ class LowLatPlugin(Plugin):
         if model_config.architecture in self.GEMMA_ARCHITECTURES and hardware.tp_size > 1:
             raise PluginMismatch(f"lowlat: {model_config.architecture} runs on one rank only (tensor parallelism "
                                  "is not built for its post-norms)")
-        self._load_extension()
+        self.extension()
 
-    def _load_extension(self):
+    @property
+    def kernel(self):
+        """The target model's compiled kernel (the extension's Model: profiling counters, tuning switches), or None
+        before build()."""
+        return self._kernel
+
+    def extension(self):
         """Compiles (first use on this machine, ~20-60 s) or loads the C++ extension. In check(), so that a
         machine without a working C++ toolchain is a mismatch ("auto" mode skips the plugin) rather than an
         engine that fails after loading the weights."""
@@ -184,7 +190,7 @@ class LowLatPlugin(Plugin):
                                  "with OpenMP and ninja") from e
 
     def build(self, model, model_config, hardware: Hardware) -> None:
-        ext = self._load_extension()
+        ext = self.extension()
         self.hardware = hardware
         self.threads_used = self.threads or torch.get_num_threads()
         if hardware.tp_size > 1:
@@ -363,7 +369,7 @@ class LowLatPlugin(Plugin):
             if all(hasattr(head, a) for a in self.HEAD_PARTS) and head.lm_head.weight.dtype == self.hardware.dtype \
                     and embed_weight.dtype == self.hardware.dtype:
                 tensors, options = pack.head_weights(head, embed_weight)
-                kernel = self._load_extension().Head(tensors, **options, bf16=self.hardware.dtype == torch.bfloat16,
+                kernel = self.extension().Head(tensors, **options, bf16=self.hardware.dtype == torch.bfloat16,
                                                      dot=self.uses_dot, threads=self.threads_used,
                                                      max_rows=self.max_batch)
             entry = self._others[id(head)] = (weakref.ref(head), kernel)
@@ -381,7 +387,7 @@ class LowLatPlugin(Plugin):
             rope = [model.rotary.cos.float().contiguous(), model.rotary.sin.float().contiguous()]
         with torch.no_grad():  # the model's own tensors, no copies: the kernel keeps references
             tensors, options = pack.model_weights(model, dtype, gemma, rope)
-            kernel = self._load_extension().Model(tensors, **options, bf16=dtype == torch.bfloat16, dot=self.uses_dot,
+            kernel = self.extension().Model(tensors, **options, bf16=dtype == torch.bfloat16, dot=self.uses_dot,
                                                   threads=self.threads_used, max_rows=self.rows)
             if gemma:
                 kernel.set_gemma(*pack.gemma_settings(model, dtype))
@@ -393,7 +399,7 @@ class LowLatPlugin(Plugin):
                     m.tile_kernel = kernel.dequant_t
         kernel.invariant = self.invariant is not False
         # attention through vdpbf16ps: the FMA path's bits with fewer instructions
-        kernel.attn_dot = self.isa == "auto" and self._load_extension().have_avx512_bf16
+        kernel.attn_dot = self.isa == "auto" and self.extension().have_avx512_bf16
         return kernel
 
     def _kernel_for(self, model):

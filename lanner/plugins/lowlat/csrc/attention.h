@@ -5,7 +5,7 @@
 
 namespace lowlat {
 
-static int64_t g_attn_prefetch = 2;  // attention: key / value tiles prefetched ahead (0: off; _set_attn_prefetch)
+static int64_t g_attn_prefetch = 2;  // attention: key / value tiles prefetched ahead (0: off; set_attn_prefetch)
 
 // one attention item: the q heads h0 .. h0 + nh - 1 of one kv group (GQA), rows t0..t0+nq-1 of q at positions
 // pos[t] over keys 0..ctx-1. Each key and value vector is loaded once for all the item's (row, head) pairs.

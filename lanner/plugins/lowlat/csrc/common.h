@@ -71,6 +71,18 @@ template <> inline void stf<bf16_t>(bf16_t* p, int64_t i, float v) { p[i] = f2bf
 // round like the model dtype: bf16 models keep bf16-exact values in float buffers
 template <typename T> static inline float rnd(float v) { return std::is_same<T, bf16_t>::value ? rbf(v) : v; }
 
+// Rotate-half RoPE of one head's row v (D floats) by its position's cos / sin rows, rounded as WT stores them;
+// rot: D floats of scratch.
+template <typename WT>
+static inline void rope_row(float* v, float* rot, const float* cr, const float* sr, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t d = 0; d < half; d++) { rot[d] = -v[d + half]; rot[d + half] = v[d]; }
+  for (int64_t d = 0; d < D; d++) {
+    const float c = rnd<WT>(cr[d]), s = rnd<WT>(sr[d]);
+    v[d] = rnd<WT>(rnd<WT>(v[d] * c) + rnd<WT>(rot[d] * s));
+  }
+}
+
 // ------------------------------------------------------------------------------------------------ vectors
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const bf16_t* p) {

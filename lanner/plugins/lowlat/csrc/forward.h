@@ -14,7 +14,7 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
                        const std::vector<WT*>& kcs, const std::vector<WT*>& vcs,
                        const std::vector<std::vector<int64_t>>& gslots, const std::vector<int64_t>& lgroup,
                        const std::vector<int64_t>& row0, const std::vector<WT*>& cap_at, WT* out) {
-  const int64_t B = (int64_t)q_lens.size(), nqkv = (H + 2 * Hkv) * D, half = D / 2;
+  const int64_t B = (int64_t)q_lens.size(), nqkv = (H + 2 * Hkv) * D;
   const int64_t kv_len = *std::max_element(ctx_lens.begin(), ctx_lens.end());
   float* x = buf<float>(off_x);
   float* qkv = buf<float>(off_qkv);
@@ -50,6 +50,16 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
       t_last = now;
     };
     int64_t a, b, s = comm.seq;  // s: this step's next collective
+    // a projection's output columns, split over the threads (summed over the ranks under TP), onto the residual
+    // stream (post_w: Gemma's post-norm)
+    auto project_add = [&](const QW& qw, const torch::Tensor& w, int64_t K, const XT* in, const float* post_w) {
+      split(hidden, 16, tid, nt, a, b);
+      mm<WT, XT>(qw, w, K, a, b, in, K, M, tmp, hidden, tid);
+      mark(0);
+      if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
+      add_residual<WT>(tmp, post_w, T, a, b);
+      mark(3);
+    };
     // embedding (under TP: this rank's vocab rows, zeros elsewhere, summed over the ranks)
     if (tp) {
       split(hidden, 16, tid, nt, a, b);
@@ -108,11 +118,7 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
                 const float r = 1.0f / std::sqrt(sumsq(v, D) / float(D) + float(eps));
                 for (int64_t d = 0; d < D; d++) v[d] = rnd<WT>(v[d] * r * w1[d]);
               }
-              for (int64_t d = 0; d < half; d++) { rot[d] = -v[d + half]; rot[d + half] = v[d]; }
-              for (int64_t d = 0; d < D; d++) {
-                const float c = rnd<WT>(cr[d]), s = rnd<WT>(sr[d]);
-                v[d] = rnd<WT>(rnd<WT>(v[d] * c) + rnd<WT>(rot[d] * s));
-              }
+              rope_row<WT>(v, rot, cr, sr, D);
             }
             if (hh < H) {
               std::memcpy(q + t * H * D + hh * D, v, D * sizeof(float));
@@ -137,20 +143,7 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
 #pragma omp barrier
       mark(2);
       // --- o_proj + residual
-      split(hidden, 16, tid, nt, a, b);
-      mm<WT, XT>(q_o[l], o_w[l], H * D, a, b, ain, H * D, M, tmp, hidden, tid);
-      mark(0);
-      if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
-      if (gemma) {  // the post-norm needs whole rows of o_proj's output: one barrier more
-        round_cols<WT>(tmp, T, a, b);
-#pragma omp barrier
-        post_norm_add<WT>(tmp, g_pa[l].data_ptr<float>(), T, a, b);
-      } else {
-        for (int64_t t = 0; t < T; t++)
-          for (int64_t n = a; n < b; n++)
-            x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
-      }
-      mark(3);
+      project_add(q_o[l], o_w[l], H * D, ain, gemma ? g_pa[l].data_ptr<float>() : nullptr);
 #pragma omp barrier
       mark(2);
       // --- MLP: norm (private) -> gate/up rows [a, b) of both halves -> SiLU(gate) * up
@@ -178,20 +171,7 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
 #pragma omp barrier
       mark(2);
       // --- down + residual
-      split(hidden, 16, tid, nt, a, b);
-      mm<WT, XT>(q_down[l], down_w[l], inter, a, b, act, inter, M, tmp, hidden, tid);
-      mark(0);
-      if (tp) tp_partial<WT>(tmp, T, a, b, tid, s++, err);
-      if (gemma) {
-        round_cols<WT>(tmp, T, a, b);
-#pragma omp barrier
-        post_norm_add<WT>(tmp, g_po[l].data_ptr<float>(), T, a, b);
-      } else {
-        for (int64_t t = 0; t < T; t++)
-          for (int64_t n = a; n < b; n++)
-            x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(tmp[t * hidden + n]));
-      }
-      mark(3);
+      project_add(q_down[l], down_w[l], inter, act, gemma ? g_po[l].data_ptr<float>() : nullptr);
 #pragma omp barrier
       mark(2);
       if (cap_at[l] != nullptr) {

@@ -80,4 +80,19 @@ inline void Model::post_norm_add(const float* y, const float* w1, int64_t T, int
   }
 }
 
+// A projection's output columns [a, b) of its rows (y) onto the residual stream: through Gemma's post-norm
+// (post_w; it needs whole rows of y: one barrier more), else added as they are.
+template <typename WT>
+inline void Model::add_residual(float* y, const float* post_w, int64_t T, int64_t a, int64_t b) const {
+  if (post_w != nullptr) {
+    round_cols<WT>(y, T, a, b);
+#pragma omp barrier
+    post_norm_add<WT>(y, post_w, T, a, b);
+    return;
+  }
+  float* x = buf<float>(off_x);
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t n = a; n < b; n++) x[t * hidden + n] = rnd<WT>(x[t * hidden + n] + rnd<WT>(y[t * hidden + n]));
+}
+
 }  // namespace lowlat

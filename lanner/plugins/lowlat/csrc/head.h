@@ -46,7 +46,7 @@ struct Head {
   template <typename WT, typename XT>
   void run(const WT* g0, const int64_t* tok0, const int64_t* pos0, int64_t B, int64_t steps,
            const std::vector<std::vector<int64_t>>& bts, int64_t bs, WT* kc, WT* vc, int64_t* out) {
-    const int64_t h = m.hidden, H = m.H, Hkv = m.Hkv, D = m.D, inter = m.inter, half = D / 2;
+    const int64_t h = m.hidden, H = m.H, Hkv = m.Hkv, D = m.D, inter = m.inter;
     const int64_t nqkv = (H + 2 * Hkv) * D;
     const int M = int(B);
     float* x = m.buf<float>(m.off_x);  // the chained hidden state, [B, h], values in the model dtype
@@ -94,11 +94,7 @@ struct Head {
               const float* src = qkv + t * nqkv + hh * D;
               for (int64_t d = 0; d < D; d++) v[d] = rnd<WT>(src[d]);
               if (hh < H + Hkv) {
-                for (int64_t d = 0; d < half; d++) { rot[d] = -v[d + half]; rot[d + half] = v[d]; }
-                for (int64_t d = 0; d < D; d++) {
-                  const float c = rnd<WT>(cr[d]), s = rnd<WT>(sr[d]);
-                  v[d] = rnd<WT>(rnd<WT>(v[d] * c) + rnd<WT>(rot[d] * s));
-                }
+                rope_row<WT>(v, rot, cr, sr, D);
               }
               if (hh < H) {
                 std::memcpy(q + t * H * D + hh * D, v, D * sizeof(float));

@@ -48,11 +48,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("isa") = "avx2";
 #endif
-  m.def("_set_attn_prefetch", [](int64_t tiles) { lowlat::g_attn_prefetch = tiles; },
+  m.def("set_attn_prefetch", [](int64_t tiles) { lowlat::g_attn_prefetch = tiles; },
         "attention: how many 16-key tiles ahead the cache rows are prefetched (0: off)");
-  m.def("_set_qprefetch", [](int64_t bytes) { lowlat::g_qprefetch = bytes; },
+  m.def("set_qprefetch", [](int64_t bytes) { lowlat::g_qprefetch = bytes; },
         "stored-type GEMV: how many bytes of codes ahead the weight stream is prefetched into L1 (0: off)");
-  m.def("_set_block_rows", [](int64_t rows) {
+  m.def("set_block_rows", [](int64_t rows) {
     TORCH_CHECK(rows >= 0 && rows <= 6, "lowlat: block rows must be in 0..6 (0: the mode's own)");
     lowlat::g_block_rows = int(rows);
   }, "stored-type GEMV: activation rows per block (0: the activation mode's own, q16 5, q8 6, float 4)");

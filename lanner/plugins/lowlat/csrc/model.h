@@ -382,6 +382,8 @@ struct Model {
   void round_cols(float* y, int64_t T, int64_t a, int64_t b) const;
   template <typename WT>
   void post_norm_add(const float* y, const float* w1, int64_t T, int64_t a, int64_t b) const;
+  template <typename WT>
+  void add_residual(float* y, const float* post_w, int64_t T, int64_t a, int64_t b) const;
   // tp.h
   void set_tp(int64_t P, int64_t rank, std::vector<int64_t> vocab_sizes_, double timeout_s,
               c10::optional<torch::Tensor> segment, pybind11::object py_reduce);

@@ -150,7 +150,7 @@ static inline int32_t load4(const int8_t* p) {
   return v;
 }
 
-// Software prefetch of the weight stream into L1, g_qprefetch bytes of codes ahead (0: off; _set_qprefetch), the
+// Software prefetch of the weight stream into L1, g_qprefetch bytes of codes ahead (0: off; set_qprefetch), the
 // scales as far ahead in their own streams. Chunks and scales run sequentially across groups, yet the hardware
 // prefetchers alone held one core at ~15 GB/s (tools/qgemv_rows.py --prefetch 0,3072, bundled model, q16, 1
 // thread: 1 / 4 / 16 rows 4.35 / 7.35 / 24.7 -> 3.36 / 6.18 / 22.2 ms; 2-4 KB ahead alike, at 2 threads too).
@@ -347,7 +347,7 @@ static inline void group_rows(const QW& w, int64_t g, const ARow* xr, int act, b
 // (q16: 2 planes) kept across a unit; more spill. Smaller blocks leave a leftover block of 1-2 rows that costs
 // nearly a whole pass (tools/qgemv_rows.py --block-rows 4,5, q16, 1 thread: 5 / 9 rows 8.54 / 13.92 ms in blocks
 // of 4, 7.47 / 12.64 in blocks of 5; 8 and 16 rows alike)
-static int g_block_rows = 0;  // set: every mode's rows per block (1..6; _set_block_rows, for A/B runs)
+static int g_block_rows = 0;  // set: every mode's rows per block (1..6; set_block_rows, for A/B runs)
 static inline int block_rows(int act) {
   return g_block_rows ? g_block_rows : act == kActQ8 ? 6 : act == kActQ16 ? 5 : 4;
 }
