@@ -36,8 +36,9 @@ class EngineConfig:
     # ---- model
     model: str | None = option(None, "model", "Hugging Face model folder or .gguf file (default: the bundled "
                                "SmolLM2-135M-Instruct)")
-    # 'auto' dtype is resolved at construction (_resolve_weights_and_dtype); 'auto' weights at load
-    # (weights_planned, then lanner.engine.loading.load_target: the engine's `weights` says what it runs)
+    # 'auto' is resolved at construction (_resolve_weights_and_dtype): the fields then hold what the engine runs,
+    # but for an 'auto' weights that the loader still dequantizes when no plugin it picks runs the blocks
+    # (weights_auto; lanner.engine.loading.load_target: the engine's `weights` says what it loaded)
     dtype: str = option("auto", "model", "weights (dequantized ones), activations and KV dtype; 'auto': float32 when "
                         "GGUF blocks stay as stored on a CPU without bf16 arithmetic (AVX512_BF16 / AMX), else "
                         "bfloat16", choices=["auto", *sorted(DTYPES)])
@@ -123,6 +124,9 @@ class EngineConfig:
     sparse_page: int = option(16, "kv_tier", "tokens per page")
     kv_poison: bool = option(False, "kv_tier", "debug: NaN-fill every slot that loses its entry, so a read ahead "
                              "of its data shows", cli=False)
+    # ---- derived at construction
+    weights_auto: bool = field(default=False, init=False, metadata={
+        "group": "model", "help": "whether `weights` was 'auto'", "cli": False, "flags": (), "argparse": {}})
 
     def __post_init__(self):
         if self.dtype not in ("auto", *DTYPES):
@@ -281,24 +285,18 @@ class EngineConfig:
         blocks the dtype is only activations, KV and the few unquantized tensors, so float32 costs KV memory alone,
         and on a CPU without bf16 arithmetic PyTorch's bf16 prefill GEMMs run ~4x slower (TTFT P50 4.1 s vs
         0.86 s on the replay); else bfloat16, half the memory of dequantized weights."""
+        if self.weights == "auto":
+            gguf = self.model is None or str(self.model).lower().endswith(".gguf")
+            plugins = str(self.plugin or "none").split(",")
+            lowlat_allowed = plugins == ["auto"] or "lowlat" in plugins
+            runs_lowlat = self.device == "cpu" and self.tp == 1 and self.kv_tier is None and lowlat_allowed
+            self.weights = "stored" if gguf and runs_lowlat else "dequantize"
+            self.weights_auto = True
         if self.dtype == "auto":
             from lanner.cpu import native_bf16
 
-            cpu_f32 = self.weights_planned == "stored" and self.device == "cpu" and not native_bf16()
+            cpu_f32 = self.weights == "stored" and self.device == "cpu" and not native_bf16()
             self.dtype = "float32" if cpu_f32 else "bfloat16"
-
-    @property
-    def weights_planned(self) -> str:
-        """'stored' or 'dequantize': `weights` with 'auto' decided from the config alone. The loader still
-        dequantizes an 'auto' that planned 'stored' when no plugin it picks runs the blocks (an architecture lowlat
-        does not cover: the engine's own forward then runs it all): lanner.engine.loading.load_target."""
-        if self.weights != "auto":
-            return self.weights
-        gguf = self.model is None or str(self.model).lower().endswith(".gguf")
-        plugins = str(self.plugin or "none").split(",")
-        lowlat_allowed = plugins == ["auto"] or "lowlat" in plugins
-        runs_lowlat = self.device == "cpu" and self.tp == 1 and self.kv_tier is None and lowlat_allowed
-        return "stored" if gguf and runs_lowlat else "dequantize"
 
     @property
     def torch_dtype(self) -> torch.dtype:

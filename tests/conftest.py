@@ -10,7 +10,7 @@ import uvicorn
 
 from lanner import LLM
 
-# tests that take over ~10 s each on the 2-core CI machine (model loads and compiles included), by node id without
+# tests that take over ~5 s each on the 2-core CI machine (model loads and compiles included), by node id without
 # parameters: `pytest -m "not slow"` runs the rest (README). Regenerate from `pytest --durations=0` output.
 SLOW = set(Path(__file__).with_name("slow_tests.txt").read_text().split())
 

@@ -84,6 +84,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.grammars = None  # lanner.structured.Grammars, built by the first constrained request
         self._grammars_lock = threading.Lock()  # requests are made on the server's worker threads
+        # greedy steps take their tokens from the LM head's argmax without the logits (False: always the logits;
+        # tools/greedy_argmax_ab.py compares the two)
+        self.fused_argmax = True
         self._build_kv_and_spec(config)
         log.info("loaded %s in %.1fs: %s, max_model_len %d", self.model_name, self.load_s, self.kv.summary,
                  self.max_model_len)
@@ -249,7 +252,7 @@ class LLMEngine:
                     StepKind.VERIFY if drafted else StepKind.DECODE
                 layout = StepLayout.of(items)
                 t_forward = time.perf_counter()
-                out = self.kv.run(items, kind, self._argmax_only(items))
+                out = self.kv.run(items, kind, self.fused_argmax and self._argmax_only(items))
                 emitted = self._verify_and_sample(items, layout, out)
                 if kind != StepKind.PREFILL:  # forward + verify: the tokens are on the host now
                     self.spec.after_step(time.perf_counter() - t_forward, layout.token_rows[-1].stop)

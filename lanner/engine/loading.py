@@ -32,8 +32,8 @@ def load_target(config: EngineConfig, hardware: Hardware, metrics=None):
     # UlaCache's decoders run the model's own forward: no plugin covers them ("auto" then picks none)
     choice = config.plugin if config.kv_tier is None else None
     plugins = select_plugins(choice, loaded_config[0], hardware, config.plugin_options)
-    weights = config.weights_planned
-    if config.weights == "auto" and weights == "stored" and not any(p.name == "lowlat" for p in plugins):
+    weights = config.weights
+    if config.weights_auto and weights == "stored" and not any(p.name == "lowlat" for p in plugins):
         weights = "dequantize"  # e.g. an architecture lowlat does not cover: the own forward runs it all
     model, model_config = load_model(source, config.torch_dtype, hardware.device, loaded_config, weights)
     plugin_bytes = build_plugins(plugins, model, model_config, hardware, metrics)
