@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import importlib.util
 import sys
 
 from lanner.cli.options import (
@@ -125,7 +125,8 @@ def run_train_draft(args):
                                                   DraftHeadConfig.for_target(model.cfg).feature_layers, cfg.topk,
                                                   cfg.max_len, model.embed_tokens.weight.dtype)
     train_draft_head(model, sequences, args.out, cfg, resume=not args.no_resume, init=init, feature_dir=features)
-    print(f"wrote the draft head to {args.out} (training.json, loss.png beside it)")
+    plot = " and loss.png" if importlib.util.find_spec("matplotlib") else ""  # the plot needs lanner[bench]
+    print(f"wrote the draft head to {args.out} (training.json{plot} beside it)")
 
 
 # ------------------------------------------------------------------ rcsd

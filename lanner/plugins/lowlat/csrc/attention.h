@@ -170,6 +170,16 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
       }
   };
 #endif
+  // a tile's keys (or values) for group gg: in the bf16 pair layout, every group's at the first, else gathered
+  auto load_tile = [&](const WT* c, int64_t j0, int64_t nk, int64_t gg, bool keys) {
+#ifdef __AVX512BF16__
+    if (pairs) {
+      if (gg == g0) keys ? fill_keys(j0, nk) : fill_value_pairs(j0, nk);
+      return;
+    }
+#endif
+    gather(c, j0, nk, gg);
+  };
   // one (row, head)'s score for one key: the 16-wide FMA chain, then the horizontal sum
   auto dot = [&](const float* qi, const WT* kp) {
     __m512 acc = _mm512_setzero_ps();
@@ -190,12 +200,7 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
       prefetch(kc, j0 + g_attn_prefetch * kTile, 1, je);
       for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
         heads_of(gg, ha, hb);
-#ifdef __AVX512BF16__
-        if (pairs) {
-          if (gg == g0) fill_keys(j0, nk);
-        } else
-#endif
-          gather(kc, j0, nk, gg);
+        load_tile(kc, j0, nk, gg, true);
         for (int64_t i = 0; i < nq; i++) {
           if (j0 >= lim[i] || j0 + nk <= lo[i]) continue;
           for (int64_t hh = ha; hh < hb; hh++) {
@@ -287,12 +292,7 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
       if (j0 + kTile >= je && n1 < maxlim) prefetch(kc, n1, g_attn_prefetch, std::min(n1 + kBlock, maxlim));
       for (int64_t gg = g0, ha, hb; gg < g1; gg++) {
         heads_of(gg, ha, hb);
-#ifdef __AVX512BF16__
-        if (pairs) {
-          if (gg == g0) fill_value_pairs(j0, nk);
-        } else
-#endif
-          gather(vc, j0, nk, gg);
+        load_tile(vc, j0, nk, gg, false);
         for (int64_t i = 0; i < nq; i++) {
           const int64_t ka = std::max(j0, lo[i]) - j0, kb = std::min(j0 + nk, lim[i]) - j0;
           if (ka >= kb) continue;

@@ -119,15 +119,12 @@ inline void Model::route(const float* logit, int64_t T, Route& rt) const {
 template <typename WT, typename XT>
 inline void Model::moe_ffn(int64_t l, int tid, int nt, const XT* xin, int64_t T, Route& rt, int64_t& s,
                            std::string& err) {
-  float* x = buf<float>(off_x);
-  float* logit = buf<float>(off_logit);
   float* gu = buf<float>(off_gu);
-  float* tmp = buf<float>(off_tmp);
-  float* acc = buf<float>(off_macc);
   XT* mact = buf<XT>(off_mact);
   XT* xg = buf<XT>(off_xg + tid * xg_stride);
   int64_t a, b;
   split(E, 2, tid, nt, a, b);  // even bounds: each row pairs up the same way whatever the thread count
+  float* logit = buf<float>(off_logit);
   gemv<WT, XT>(ptr<WT>(router_w[l]), hidden, a, b, xin, hidden, int(T), logit, E);
 #pragma omp barrier
   route<WT>(logit, T, rt);
@@ -152,6 +149,9 @@ inline void Model::moe_ffn(int64_t l, int tid, int nt, const XT* xin, int64_t T,
   }
 #pragma omp barrier
   split(hidden, 16, tid, nt, a, b);
+  float* acc = buf<float>(off_macc);  // the experts' outputs summed per row, then onto the residual stream x
+  float* tmp = buf<float>(off_tmp);
+  float* x = buf<float>(off_x);
   for (int64_t t = 0; t < T; t++) std::fill(acc + t * hidden + a, acc + t * hidden + b, 0.f);
   for (const int32_t e : rt.experts) {
     const int64_t n = rt.cnt[e], r0 = rt.base[e];
