@@ -6,8 +6,8 @@ it once per distinct constraint (an LRU keyed by its canonical JSON) and gives e
 unconstrained rows; the engine advances the matcher on every accepted token.
 
 With speculation (lanner.spec.decoder), `GrammarState.check_draft` cuts a draft where the grammar rejects it and
-returns one bitmask per verify row, and `forced_tokens` gives the tokens the grammar alone determines (`{"name": "` after the
-tool-call tag): they join the draft without a proposer. That stays lossless because the target verifies them
+returns one bitmask per verify row, and `forced_tokens` gives the tokens the grammar alone determines
+(`{"name": "` after the tool-call tag): they join the draft without a proposer. That stays lossless because the target verifies them
 under the mask like any other draft token.
 """
 from __future__ import annotations

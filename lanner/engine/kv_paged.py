@@ -95,7 +95,8 @@ class PagedKV:
         if self.tp is None:
             rows = self.runner.run(chunks, kind, argmax)
             return StepOutput(token_ids=rows.tolist()) if argmax else StepOutput(logits=rows)
-        return StepOutput(logits=self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind)))
+        logits = self.tp.call("step", *encode_step(chunks, kind), lambda: self.runner.run(chunks, kind))
+        return StepOutput(logits=logits)
 
     def block_table(self, req: Request) -> list[int]:
         """The running request's group-0 block table (a draft's KV shares it)."""

@@ -71,7 +71,8 @@ for _name in ("slot_mapping", "kv_slots", "mask"):
 
 class AttentionBackend:
     """A step's attention other than dense reads of the paged cache (AttentionMetadata.backend): Quest-sparse
-    reads of it (lanner.kvcache.quest.QuestSelector), or KV behind UlaCache's addresses (lanner.kvcache.ula.quest_decoder).
+    reads of it (lanner.kvcache.quest.QuestSelector), or KV behind UlaCache's addresses
+    (lanner.kvcache.ula.quest_decoder).
     Models call `attention` with their layer index; the backend gets it, so it needs no call order."""
 
     def forward(self, q, k, v, layer: int, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -46,6 +46,7 @@ CATALOG = {m.name: m for m in (
 
 
 def cache_root() -> str:
+    """Where Lanner keeps what it builds once: $LANNER_CACHE, default ~/.cache/lanner."""
     return os.environ.get("LANNER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lanner")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lanner.models.catalog import CATALOG, assemble
+from lanner.models.catalog import CATALOG, assemble, cache_root
 from lanner.models.config import WEIGHT_MODES, ModelConfig, UnsupportedModelError, check_architecture
 
 log = logging.getLogger("lanner")
@@ -330,9 +330,9 @@ def _tokenizer_cache_dir(path: str) -> str | None:
 
     import transformers
 
-    root = os.environ.get("LANNER_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lanner"))
-    if not root:
+    if os.environ.get("LANNER_CACHE") == "":
         return None
+    root = cache_root()
     st = os.stat(path)
     key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
     folder = os.path.join(root, "tokenizers")

@@ -79,7 +79,8 @@ def select_plugins(choice: str | None, model_config, hardware: Hardware, options
             plugin = load_plugin(name, options.get(name))
             if not plugin.supports(model_config):
                 raise PluginMismatch(f"plugin {name!r} does not support the model structure "
-                                     f"{model_config.architecture}; it supports {list(plugin.architectures) or 'a predicate'}")
+                                     f"{model_config.architecture}; it supports "
+                                     f"{list(plugin.architectures) or 'a predicate'}")
             plugin.check(model_config, hardware)
         except PluginMismatch as e:
             if not auto:

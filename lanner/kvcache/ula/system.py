@@ -3,7 +3,8 @@ with sparse attention whose KV lives behind logical addresses (lanner.kvcache.ul
 with Quest page selection (UlaDecoder: an entry is one token's K and V of `sparse_group` layers), DeepSeek-V3.2 /
 GLM-5 models with their own DSA indexer (MlaDecoder: an entry is one token's latent for the layers sharing one
 indexer's selection; each query reads index_topk tokens; the indexer keys stay resident beside the KV budgets,
-as Quest's page bounds do). The engine drives it as it drives the paged system, through lanner.engine.kv_system.KVSystem.
+as Quest's page bounds do). The engine drives it as it drives the paged system, through
+lanner.engine.kv_system.KVSystem.
 
 Admission (UlaScheduler): a gpu-only system counts its device pool, HiSparse its host pool and per-request device
 buffers, ula-dp device + host slots; a request that could never fit is refused when it is made. Plugins do not run
