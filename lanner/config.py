@@ -43,7 +43,7 @@ class EngineConfig:
     dtype: str = option("auto", "model", "weights (dequantized ones), activations and KV dtype; 'auto': float32 when "
                         "GGUF blocks stay as stored on a CPU without bf16 arithmetic (AVX512_BF16 / AMX), else "
                         "bfloat16", choices=["auto", *sorted(DTYPES)])
-    weights: str = option("auto", "model", "GGUF files: keep Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q6_K blocks as stored (lowlat "
+    weights: str = option("auto", "model", "GGUF files: keep Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K blocks as stored (lowlat "
                           "runs them with its quantized kernels, the engine's own forward dequantizes tiles on the "
                           "fly; docs/quantized.md) or dequantize every tensor to --dtype at load; 'auto': stored "
                           "where lowlat can run them (CPU, one rank, a plugin allowed), else dequantize",
@@ -70,8 +70,8 @@ class EngineConfig:
     spec: str | None = option(
         "auto", "spec", "draft proposer: 'ngram' (prompt lookup), 'draft' (--draft head or model), 'suffix' (suffix "
         "index over the request and earlier outputs), 'hybrid' (suffix or draft head per request and step), "
-        "'none'; 'auto': hybrid with the shipped head on the bundled model (or draft when --draft is given), plain "
-        "decoding elsewhere",
+        "'none'; 'auto': hybrid with the shipped head on the bundled model, draft when --draft is given, suffix "
+        "drafts for every other model",
         choices=["auto", *SPEC_KINDS, "none"])
     draft: str | None = option(None, "spec", "draft: 'default' or 'hass' (shipped heads), 'mtp' (the checkpoint's "
                                "MTP layer), a head folder (config.json + model.safetensors) or a smaller model "
@@ -154,7 +154,8 @@ class EngineConfig:
             if self.draft is not None:
                 self.spec = "draft"
             else:
-                self.spec, self.draft = ("hybrid", "default") if is_bundled_model(self.model) else (None, None)
+                # suffix drafts need no trained head, so every model speculates (lossless either way)
+                self.spec, self.draft = ("hybrid", "default") if is_bundled_model(self.model) else ("suffix", None)
         elif self.spec == "none":
             self.spec = None
         if self.spec_tokens is None:

@@ -51,20 +51,37 @@ def test_assembles_once_and_names_what_is_wrong(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(not HAVE_QWEN, reason="needs the Qwen2.5-Coder-1.5B parts (make model-qwen; make test installs them)")
 def test_qwen_coder_by_name():
-    """The real 1.5B coding model, by name: assembled from its 22 parts (sha256 checked), its GGUF blocks kept as
-    stored, and it writes code."""
+    """The real 1.5B coding model, by name: assembled from its 22 parts (sha256 checked), every GGUF tensor kept as
+    stored (Q4_K, and Q6_K also inside fused q|k|v) within 10% of the file's tensor bytes, and it writes code. Its
+    default speculation is suffix drafts, and greedy output equals plain decoding."""
     from gguf import GGUFReader
 
     from lanner import LLM, SamplingParams
     from lanner.models.loader import ModelSource
+    from lanner.models.quant import QuantLinear
 
     source = ModelSource.resolve("qwen2.5-coder-1.5b")
     assert (source.kind, source.name, os.path.getsize(source.path)) == ("gguf", QWEN.served_name, QWEN.size)
-    name = GGUFReader(source.path).fields["general.name"]
+    reader = GGUFReader(source.path)
+    name = reader.fields["general.name"]
     assert bytes(name.parts[name.data[0]]).decode() == "Qwen2.5 Coder 1.5B Instruct GGUF"
     llm = LLM(model="qwen2.5-coder-1.5b", max_model_len=1024)
-    assert llm.engine.weights == "stored" and llm.engine.model_name == QWEN.served_name
-    out = llm.chat([{"role": "user", "content": "Write a Python function that returns the nth Fibonacci number."}],
-                   SamplingParams(temperature=0, max_tokens=12))[0]
-    assert out.text.startswith("```python\ndef fibonacci(n):"), out.text
+    eng = llm.engine
+    assert eng.weights == "stored" and eng.model_name == QWEN.served_name and eng.config.spec == "suffix"
+    big = [n for n, p in eng.model.named_parameters() if p.numel() > 1 << 16]
+    assert not big, big  # every matrix in its blocks: no dense weight left
+    assert any(m.fmt == "u6k" for m in eng.model.layers[0].self_attn.qkv_proj.modules() if isinstance(m, QuantLinear))
+    rope = sum(t.numel() * t.element_size() for t in eng.model.rotary.buffers())
+    assert eng.weight_bytes - rope <= 1.1 * sum(int(t.n_bytes) for t in reader.tensors)
+    asks = [[{"role": "user", "content": "Write a Python function that returns the nth Fibonacci number."}],
+            [{"role": "user", "content": "Add type hints to this function and return it whole:\n```python\n"
+                                         "def scale(values, factor):\n    result = []\n    for v in values:\n"
+                                         "        result.append(v * factor)\n    return result\n```"}]]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    outs = llm.chat(asks, params)
+    assert outs[0].text.startswith("```python\ndef fibonacci(n):"), outs[0].text
+    assert sum(sum(o.metrics["spec_accepted_tokens"].values()) for o in outs) > 0
     llm.close()
+    plain = LLM(model="qwen2.5-coder-1.5b", max_model_len=1024, spec="none")
+    assert [o.token_ids for o in plain.chat(asks, params)] == [o.token_ids for o in outs]
+    plain.close()

@@ -61,7 +61,7 @@ def test_repack_keeps_every_value(models):
         cases.append((gguf.quants.quantize(x, qt), qt, 96))
     for raw, qt, k in cases:
         p = quant.repack(raw, qt.name, k)
-        got = quant.dequantize(p["qs"], p["d"], p.get("m"), k)
+        got = quant.dequantize(p, k)
         assert torch.equal(got, torch.from_numpy(reference(raw, qt).copy())), qt.name
     # the stored model holds a third of the bytes of its float32 copy... and its dense views are that copy
     assert quant.weight_bytes(stored) < 0.22 * quant.weight_bytes(dense)
@@ -69,13 +69,13 @@ def test_repack_keeps_every_value(models):
 
 
 def _random_k_blocks(name, rows, k, seed):
-    """Random but valid Q4_K / Q6_K rows (gguf-py cannot quantize to K-quants): random codes and integer scales,
+    """Random but valid Q4_K / Q5_K / Q6_K rows (gguf-py cannot quantize to K-quants): random codes and integer scales,
     float16 super-block scales of ordinary size."""
     rng = np.random.default_rng(seed)
     nb = k // 256
-    if name == "Q4_K":
+    if name in ("Q4_K", "Q5_K"):  # Q5_K: 32 bytes of fifth bits before the nibbles
         d = (rng.uniform(0.5, 2, (rows, nb, 2)) * 1e-3).astype(np.float16).view(np.uint8)  # d and dmin
-        rest = rng.integers(0, 256, (rows, nb, 12 + 128), dtype=np.uint8)
+        rest = rng.integers(0, 256, (rows, nb, 12 + 128 + (32 if name == "Q5_K" else 0)), dtype=np.uint8)
         blocks = np.concatenate([d.reshape(rows, nb, 4), rest], axis=2)
     else:
         rest = rng.integers(0, 256, (rows, nb, 208), dtype=np.uint8)
@@ -84,14 +84,14 @@ def _random_k_blocks(name, rows, k, seed):
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_repack_keeps_every_value(name):
     from gguf.quants import dequantize as reference
 
     qt = gguf.GGMLQuantizationType[name]
     raw = _random_k_blocks(name, 7, 512, 1)
     p = quant.repack(raw, name, 512)
-    got = quant.dequantize(p["qs"], p["d"], p.get("m"), 512)
+    got = quant.dequantize(p, 512)
     assert torch.equal(got, torch.from_numpy(reference(raw, qt).copy()))
 
 
@@ -106,10 +106,10 @@ def test_one_pass_dequantized_tiles(models, plugins):
     cases = [(name, quant.repack(gguf.quants.quantize(rng.standard_normal((37, 96)).astype(np.float32),
                                                       gguf.GGMLQuantizationType[name]), name, 96), 37, 96)
              for name in ("Q4_0", "Q5_0", "Q8_0", "Q4_1")]
-    cases += [(name, quant.repack(_random_k_blocks(name, 40, 512, 2), name, 512), 40, 512) for name in ("Q4_K", "Q6_K")]
+    cases += [(name, quant.repack(_random_k_blocks(name, 40, 512, 2), name, 512), 40, 512) for name in ("Q4_K", "Q5_K", "Q6_K")]
     for name, r, n, k in cases:
-        packed = quant.interleave(r["qs"], r["d"], r.get("m"))
-        want = quant.dequantize(r["qs"], r["d"], r.get("m"), k)
+        packed = quant.interleave(r)
+        want = quant.dequantize(r, k)
         for a, b in ((0, n), (16, n), (16, 32)):
             for dtype in (torch.float32, torch.bfloat16):
                 got = kernel.dequant_t(packed, n, k, a, b, dtype == torch.bfloat16)[:, : b - a].T
@@ -142,15 +142,15 @@ def _q16_activations(x):
 
 
 @needs_lowlat
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q6_K"])
 def test_k_quant_kernels(plugins, name):
     """lowlat's GEMV over K-quant blocks, 1-4 rows per weight pass: float activations within 1e-5 of the float32
     dequantized matmul, q8 / q16 activations within 2e-3 / 2e-5 of the exact product with the rounded activations
     (a wrong sub-block scale is off by tens of percent)."""
     n, k = 40, 512
     p = quant.repack(_random_k_blocks(name, n, k, 2), name, k)
-    packed = quant.interleave(p["qs"], p["d"], p.get("m"))
-    w = quant.dequantize(p["qs"], p["d"], p.get("m"), k).double()
+    packed = quant.interleave(p)
+    w = quant.dequantize(p, k).double()
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
     for act, xr, tol in (("float", x.double(), 1e-5), ("q8", _q8_activations(x), 2e-3),
                          ("q16", _q16_activations(x), 2e-5)):
@@ -160,6 +160,34 @@ def test_k_quant_kernels(plugins, name):
         assert err <= tol, (act, err)
         greedy = plugins[act]._kernel.qlinear(x, packed, n, False, True)  # the LM head's fused argmax
         assert torch.equal(greedy, plugins[act]._kernel.qlinear(x, packed, n).argmax(-1)), act
+
+
+@needs_lowlat
+def test_mixed_fused_projection(plugins):
+    """A fused projection whose pieces differ in type (Qwen2.5 Q4_K_M: Q4_K q / k beside a Q6_K v) keeps each piece
+    as stored: the module's own matmul equals the float32 dequantized one, lowlat's row-segment GEMV matches it as
+    test_k_quant_kernels does, and a row's bits do not depend on the other rows of the call."""
+    k, pieces = 512, [("Q4_K", 32), ("Q4_K", 16), ("Q6_K", 16), ("Q4_K", 32)]
+    mod = quant.MixedQuantLinear(96, k, [quant.STORED_TYPES[n][0] for n, _ in pieces], [r for _, r in pieces])
+    assert [r.fmt for r in mod.runs] == ["u4k", "u6k", "u4k"]
+    ref = []
+    for i, (name, rows) in enumerate(pieces):
+        p = quant.repack(_random_k_blocks(name, rows, k, 10 + i), name, k)
+        mod.load("weight", p, i)
+        ref.append(quant.dequantize(p, k))
+    w = torch.cat(ref).double()
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(mod.weight, torch.cat(ref))
+    assert ((mod(x).double() - x.double() @ w.T).abs().max() / (x.double() @ w.T).abs().max()).item() <= 1e-5
+    for act, xr, tol in (("float", x.double(), 1e-5), ("q8", _q8_activations(x), 2e-3),
+                         ("q16", _q16_activations(x), 2e-5)):
+        want = xr @ w.T
+        got = plugins[act]._kernel.qlinear(x, mod.packed(), 96, True)
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() <= tol, act
+        for m in (1, 3):
+            assert torch.equal(plugins[act]._kernel.qlinear(x[m : m + 1], mod.packed(), 96, True), got[m : m + 1])
+    with pytest.raises(RuntimeError, match="segments hold 96 rows, expected 112"):
+        plugins["q16"]._kernel.qlinear(x, mod.packed(), 112, True)
 
 
 PROMPT = list(range(1000, 1030))
@@ -332,11 +360,11 @@ def test_avx2_build_is_bit_identical(models, plugins):
         for rows in ([(PROMPT, 0, [0, 1, 2])], [([5000, 6, 7], 30, [0, 1, 2]), (list(range(9)), 0, [5])]):
             got, want = forward_rows(model, p, kv_a, rows), forward_rows(model, plugins[act], kv_b, rows)
             assert all(torch.equal(g, w) for g, w in zip(got, want)), act
-        for name in ("Q4_K", "Q6_K"):
+        for name in ("Q4_K", "Q5_K", "Q6_K"):
             if act == "dense":
                 continue
             q = quant.repack(_random_k_blocks(name, 40, 512, 2), name, 512)
-            packed = quant.interleave(q["qs"], q["d"], q.get("m"))
+            packed = quant.interleave(q)
             x = torch.randn(5, 512, generator=torch.Generator().manual_seed(3))
             for argmax in (False, True):
                 assert torch.equal(p._kernel.qlinear(x, packed, 40, True, argmax),

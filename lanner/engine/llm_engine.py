@@ -107,7 +107,7 @@ class LLMEngine:
         embed = self._gather_embedding() if self.tp is not None and draft is not None and \
             draft.kind is not DraftKind.MODEL else None
         proposer = build_proposer(config, draft, self.model, self.kv, self.plugins, embed)
-        self.spec = build_spec(config, draft, proposer, self.model.embed_tokens.weight, self.metrics)
+        self.spec = build_spec(config, draft, proposer, self.model.embed_tokens, self.metrics)
 
     @property
     def proposer(self):

@@ -9,17 +9,23 @@ of two SIMD-friendly formats without changing any value (every weight still dequ
         widened to 8 bits (qs [N, blocks, 32] int8; 34 instead of 22 bytes per block for Q5_0).
 
   K-quants, whose 256-element super-blocks scale sub-blocks by 6- or 8-bit integers, keep the same code layouts
-  with the sub-block scales multiplied out in float32 (exact: an 11-bit float16 times an integer of at most 8 bits):
-  "u4k": Q4_K: u4 codes (its 32-byte chunks are already in the u4 pair layout), d * sc and -(dmin * m) per block
-        of 32 (value = d' * q + m', the gguf package's d * sc * q - dmin * m with the same single rounding).
-  "s8k": Q6_K: s8 codes q - 32 with d * sc per 16 elements (value = d' * q).
+  and their scales as stored: the integer sub-block scales (and Q4_K's mins) as bytes, the float16 super-block
+  scales beside them. The kernels multiply them out per sub-block (exact in float32: an 11-bit significand times
+  an integer of at most 8 bits), so a K-quant costs its file's bytes plus a quarter bit per weight:
+  "u4k": Q4_K: u4 codes (its 32-byte chunks are already in the u4 pair layout), per block of 32 the scale sc and
+        min mn (uint8), per super-block sd = d and sm = -dmin (float16): value = (sd * sc) * q + sm * mn.
+  "u6k": Q6_K: its 6-bit codes u = q + 32 (value = (sd * sc) * (u - 32)), per 16 elements the scale sc (int8), per
+        super-block sd = d. A block's 32 codes take 24 bytes: bytes 4t + e (t < 4, e < 4) hold the low 4 bits of
+        elements 4t + e (low nibble) and 16 + 4t + e (high nibble), bytes 16 + 4h + e the high 2 bits of elements
+        16h + 4s + e at bits 2s (lowlat's u6_codes unpacks 4 codes of 16 rows per vector from them).
+  "u5k": Q5_K: its 5-bit codes in u6k's byte layout, with Q4_K's scales, mins and super-block scales.
 
 Rows are padded to an even block count (zero codes, zero scales; K-quant rows never need it). A module holds its
 rows interleaved in groups of GROUP = 16 (`interleave`): qs [groups, chunks, 8, 16, 4], where a chunk is a row's
 32 bytes of codes (a u4 block pair, an s8 block) and [t, i] holds bytes 4t..4t+3 of the group's row i, and
 scales [groups, blocks, 16]. lowlat's kernels then run 16 rows per vector (one row per 32-bit lane) against
-broadcast activations (lanner/plugins/lowlat/csrc/quant.h); the last group is padded with zero rows. Scales are kept as
-raw bits in integer buffers (float16 in int16, float32 in int32), so that `model.to(dtype)` leaves them alone. The engine's own forward (other devices, prefill
+broadcast activations (lanner/plugins/lowlat/csrc/quant.h); the last group is padded with zero rows. Float16 scales
+are kept as raw bits in int16 buffers, so that `model.to(dtype)` leaves them alone. The engine's own forward (other devices, prefill
 with `lowlat.prefill_rows=0`, a fallback) uses these same buffers: `QuantLinear` dequantizes 4096-row tiles on the fly inside its matmul
 (on the CPU through lowlat's one-pass `dequant_t` when lowlat runs the model), so no second, dense copy of the
 weights exists. lowlat's C++ kernels read the buffers directly.
@@ -39,8 +45,11 @@ BLOCK = 32
 TILE_ROWS = 4096  # output rows dequantized at a time by the on-the-fly matmul (bounds its scratch memory)
 # GGUF type name -> (repacked format, GGUF bytes per block)
 STORED_TYPES = {"Q4_0": ("u4", 18), "Q4_1": ("u4", 20), "Q5_0": ("s8", 22), "Q8_0": ("s8", 34),
-                "Q4_K": ("u4k", 144), "Q6_K": ("s8k", 210)}
+                "Q4_K": ("u4k", 144), "Q5_K": ("u5k", 176), "Q6_K": ("u6k", 210)}
 SUPER = 256  # elements per K-quant super-block
+# each format's tensors in the order the kernels take them (repack()'s keys, QuantLinear's buffers)
+PARTS = {"u4": ("qs", "d", "m"), "s8": ("qs", "d"), "u4k": ("qs", "sc", "mn", "sd", "sm"), "u6k": ("qs", "sc", "sd"),
+         "u5k": ("qs", "sc", "mn", "sd", "sm")}
 
 
 def _f16_bits(a: np.ndarray) -> np.ndarray:
@@ -83,57 +92,88 @@ def repack(raw: np.ndarray, type_name: str, k: int) -> dict[str, torch.Tensor]:
             "d": torch.from_numpy(_f16_bits(pad(d)))}
 
 
-def _f32_bits(a: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).view(np.int32))
-
-
 def _repack_k(blocks: np.ndarray, type_name: str) -> dict[str, torch.Tensor]:
-    """K-quant super-blocks [N, S, bytes] -> "u4k" (Q4_K) / "s8k" (Q6_K); byte layouts as the gguf package reads
-    them (gguf.quants.Q4_K / Q6_K)."""
+    """K-quant super-blocks [N, S, bytes] -> "u4k" (Q4_K) / "u5k" (Q5_K) / "u6k" (Q6_K); byte layouts as the gguf
+    package reads them (gguf.quants.Q4_K / Q5_K / Q6_K)."""
     from gguf.quants import Q4_K
 
     n, s = blocks.shape[:2]
-    if type_name == "Q4_K":  # d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of codes
-        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+    if type_name in ("Q4_K", "Q5_K"):  # d, dmin (float16), 12 bytes of 6-bit scales and mins, (Q5_K: 32 bytes of
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0]  # fifth bits,) 128 bytes of low nibbles
+        dmin = blocks[..., 2:4].copy().view(np.float16)[..., 0]
         sc, mn = Q4_K.get_scale_min(blocks[..., 4:16].reshape(n * s, 12))
-        scale = d * sc.reshape(n, s, 8).astype(np.float32)
-        offset = -(dmin * mn.reshape(n, s, 8).astype(np.float32))
-        qs = blocks[..., 16:144].reshape(n, s * 4, BLOCK)  # chunk j: sub-block 2j in low nibbles, 2j + 1 in high
-        return {"qs": torch.from_numpy(np.ascontiguousarray(qs)), "d": _f32_bits(scale.reshape(n, -1)),
-                "m": _f32_bits(offset.reshape(n, -1))}
+        scales = {"sc": t(sc.reshape(n, -1).astype(np.uint8)), "mn": t(mn.reshape(n, -1).astype(np.uint8)),
+                  "sd": t(_f16_bits(d)), "sm": t(_f16_bits(-dmin))}
+        if type_name == "Q4_K":  # chunk j: sub-block 2j in low nibbles, 2j + 1 in high
+            return {"qs": t(blocks[..., 16:144].reshape(n, s * 4, BLOCK)), **scales}
+        lo = (blocks[..., 48:176].reshape(n, s, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15
+        hi = (blocks[..., 16:48].reshape(n, s, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        return {"qs": t(_pack6(lo.reshape(n, s * 8, BLOCK) | (hi.reshape(n, s * 8, BLOCK) << 4))), **scales}
     # Q6_K: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 int8 scales, d (float16)
     ql, qh = blocks[..., 0:128].reshape(n, s, 2, 1, 64), blocks[..., 128:192].reshape(n, s, 2, 1, 32)
     lo = (ql >> np.array([0, 4], np.uint8).reshape(2, 1)) & 15  # [n, s, half, 2, 64]: elements 128 h + 64 i + e
     hi = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(4, 1)) & 3  # [n, s, half, 4, 32]: 128 h + 32 i + e
-    codes = (lo.reshape(n, s, 2, 128) | (hi.reshape(n, s, 2, 128) << 4)).astype(np.int8) - 32
-    scale = blocks[..., 208:210].copy().view(np.float16).astype(np.float32) * \
-        blocks[..., 192:208].view(np.int8).astype(np.float32)
-    return {"qs": torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1, BLOCK))),
-            "d": _f32_bits(scale.reshape(n, -1))}
+    u = lo.reshape(n, s, 2, 128) | (hi.reshape(n, s, 2, 128) << 4)  # 0..63
+    return {"qs": t(_pack6(u.reshape(n, s * 8, BLOCK))), "sc": t(blocks[..., 192:208].view(np.int8).reshape(n, -1)),
+            "sd": t(_f16_bits(blocks[..., 208:210].copy().view(np.float16)[..., 0]))}
 
 
-def dequantize(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Packed rows -> dense [rows, k]. float32 arithmetic (d * q is exact, so d * q + m rounds once, like the gguf
-    package and lowlat's float-activation kernels), then one rounding to dtype. Each scale covers the codes of
-    its block (32 elements, 16 for "s8k")."""
-    n, bits = qs.shape[0], torch.float16 if d.dtype == torch.int16 else torch.float32
-    q = torch.stack([qs & 15, qs >> 4], dim=2) if qs.dtype == torch.uint8 else qs
-    q = q.reshape(n, d.shape[1], -1).float()
-    w = q * d.view(bits).float()[..., None]
+def _pack6(u: np.ndarray) -> np.ndarray:
+    """Codes 0..63 [N, blocks, 32] -> u6k's 24 bytes per block (module docstring)."""
+    n, nb = u.shape[:2]
+    u = u.reshape(n, nb, 2, 16)
+    nib = (u[:, :, 0] & 15) | ((u[:, :, 1] & 15) << 4)
+    top = (u >> 4).reshape(n, nb, 2, 4, 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)  # [.., h, s, e]
+    return np.concatenate([nib, top.sum(axis=3, dtype=np.uint8).reshape(n, nb, 8)], axis=2)
+
+
+def unit_scales(parts: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 scale (and offset) per scale unit, [rows, units], of a repack() dict (row-major or a row slice)."""
+    if "sc" not in parts:
+        f = lambda t: t.view(torch.float16).float()
+        return f(parts["d"]), None if parts.get("m") is None else f(parts["m"])
+    per = parts["sc"].shape[1] // parts["sd"].shape[1]
+    sup = lambda t: t.view(torch.float16).float().repeat_interleave(per, dim=1)
+    scale = sup(parts["sd"]) * parts["sc"].float()  # exact: an 11-bit significand times a <= 8-bit integer
+    return scale, None if "mn" not in parts else sup(parts["sm"]) * parts["mn"].float()
+
+
+def codes(qs: torch.Tensor) -> torch.Tensor:
+    """Row-major packed codes [N, chunks, bytes] -> the integer codes [N, elements] (u4: 0..15, u6k / u5k's layout:
+    0..63, s8: as stored)."""
+    n = qs.shape[0]
+    if qs.dtype == torch.int8:
+        return qs.reshape(n, -1)
+    if qs.shape[2] == 24:  # u6 (module docstring)
+        lo = torch.cat([qs[..., :16] & 15, qs[..., :16] >> 4], dim=2)
+        top = qs[..., 16:].reshape(n, -1, 2, 1, 4) >> (2 * torch.arange(4, dtype=torch.uint8)).reshape(4, 1)
+        return (lo | ((top & 3).reshape(n, -1, 32) << 4)).reshape(n, -1)
+    return torch.stack([qs & 15, qs >> 4], dim=2).reshape(n, -1)
+
+
+def dequantize(parts: dict, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed rows (a repack() dict, row-major) -> dense [rows, k]. float32 arithmetic (d * q is exact, so
+    d * q + m rounds once, like the gguf package and lowlat's float-activation kernels), then one rounding to dtype.
+    Each scale covers the codes of its block (32 elements, 16 for "u6k")."""
+    d, m = unit_scales(parts)
+    n = parts["qs"].shape[0]
+    q = codes(parts["qs"])
+    if parts["qs"].shape[2] == 24 and "mn" not in parts:  # u6k: Q6_K's codes are u - 32
+        q = q.to(torch.int8) - 32
+    w = q.reshape(n, d.shape[1], -1).float() * d[..., None]
     if m is not None:
-        w = w + m.view(bits).float()[..., None]
+        w = w + m[..., None]
     return w.reshape(n, -1)[:, :k].to(dtype)
 
 
 GROUP = 16  # weight rows interleaved per group
 
 
-def interleave(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> list[torch.Tensor]:
+def interleave(parts: dict) -> list[torch.Tensor]:
     """repack()'s row-major [N, chunks, 32] codes and [N, units] scales -> the grouped layout (module docstring),
-    [qs, d(, m)]; N is padded to whole groups with zero rows."""
-    n = qs.shape[0]
+    in the format's PARTS order; N is padded to whole groups with zero rows."""
+    n = parts["qs"].shape[0]
     pad = -n % GROUP
 
     def grouped(t):
@@ -141,9 +181,9 @@ def interleave(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None)
         g = t.shape[0] // GROUP
         if t.dim() == 2:  # scales
             return t.reshape(g, GROUP, -1).transpose(1, 2).contiguous()
-        return t.reshape(g, GROUP, t.shape[1], 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+        return t.reshape(g, GROUP, t.shape[1], -1, 4).permute(0, 2, 3, 1, 4).contiguous()
 
-    return [grouped(t) for t in (qs, d, m) if t is not None]
+    return [grouped(t) for t in parts.values()]
 
 
 def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -151,7 +191,7 @@ def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     g, i = idx // GROUP, idx % GROUP
     if t.dim() == 3:  # scales [groups, units, 16]
         return t[g, :, i]
-    return t[g, :, :, i, :].reshape(len(idx), t.shape[1], 32)  # codes [groups, chunks, 8, 16, 4]
+    return t[g, :, :, i, :].reshape(len(idx), t.shape[1], -1)  # codes [groups, chunks, vectors, 16, 4]
 
 
 def _row_range(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -160,7 +200,7 @@ def _row_range(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
     t = t[a // GROUP : -(-b // GROUP)]
     if t.dim() == 3:  # scales [groups, units, 16]
         return t.transpose(1, 2).reshape(-1, t.shape[1])[: b - a]
-    return t.permute(0, 3, 1, 2, 4).reshape(-1, t.shape[1], 32)[: b - a]  # codes [groups, chunks, 8, 16, 4]
+    return t.permute(0, 3, 1, 2, 4).reshape(-1, t.shape[1], t.shape[2] * 4)[: b - a]  # codes
 
 
 class QuantLinear(nn.Module):
@@ -177,16 +217,18 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features, self.fmt = out_features, in_features, fmt
         self.dtype = torch.float32  # the activations' dtype; set by the loader
         kw = {"device": device}
-        bits = torch.int32 if fmt.endswith("k") else torch.int16  # float32 / float16 scales (module docstring)
         chunks = nbp // 2 if fmt.startswith("u4") else nbp
-        code = torch.uint8 if fmt.startswith("u4") else torch.int8
-        self.register_buffer("qs", torch.zeros(groups, chunks, 8, GROUP, 4, dtype=code, **kw))
-        units = nbp * (2 if fmt == "s8k" else 1)
-        self.register_buffer("d", torch.zeros(groups, units, GROUP, dtype=bits, **kw))
-        if fmt.startswith("u4"):
-            self.register_buffer("m", torch.zeros(groups, units, GROUP, dtype=bits, **kw))
-        else:
-            self.m = None
+        code = torch.int8 if fmt == "s8" else torch.uint8
+        units = nbp * (2 if fmt == "u6k" else 1)
+        vectors = 6 if fmt in ("u6k", "u5k") else 8  # 64-byte vectors per chunk of a group
+        shapes = {"qs": ((chunks, vectors, GROUP, 4), code), "d": ((units, GROUP), torch.int16),
+                  "m": ((units, GROUP), torch.int16),
+                  "sc": ((units, GROUP), torch.int8 if fmt == "u6k" else torch.uint8),
+                  "mn": ((units, GROUP), torch.uint8), "sd": ((nbp // 8, GROUP), torch.int16),
+                  "sm": ((nbp // 8, GROUP), torch.int16)}
+        for name in PARTS[fmt]:
+            shape, dtype = shapes[name]
+            self.register_buffer(name, torch.zeros(groups, *shape, dtype=dtype, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.offsets = np.cumsum([0, *(pieces or [out_features])]).tolist()  # fused pieces' first rows
         self.pieces = pieces or [out_features]
@@ -195,15 +237,14 @@ class QuantLinear(nn.Module):
         self.tile_kernel = None
 
     def _dequantize(self, idx: torch.Tensor, dtype) -> torch.Tensor:
-        return dequantize(_rows(self.qs, idx), _rows(self.d, idx), None if self.m is None else _rows(self.m, idx),
-                          self.in_features, dtype)
+        return dequantize({n: _rows(t, idx) for n, t in self.parts().items()}, self.in_features, dtype)
 
     def dense(self, rows: slice = slice(None), dtype=None) -> torch.Tensor:
         a, b, step = rows.indices(self.out_features)
         if step != 1 or a % GROUP or a >= b:
             return self._dequantize(torch.arange(self.out_features, device=self.qs.device)[rows], dtype or self.dtype)
-        packed = [None if t is None else _row_range(t, a, b) for t in (self.qs, self.d, self.m)]
-        return dequantize(*packed, self.in_features, dtype or self.dtype)
+        return dequantize({n: _row_range(t, a, b) for n, t in self.parts().items()}, self.in_features,
+                          dtype or self.dtype)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -231,8 +272,12 @@ class QuantLinear(nn.Module):
         """Rows `ids` of the matrix (the embedding lookup)."""
         return self._dequantize(ids.reshape(-1), self.dtype).reshape(*ids.shape, self.in_features)
 
+    def parts(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in PARTS[self.fmt]}
+
     def packed(self) -> list[torch.Tensor]:
-        return [self.qs, self.d] + ([] if self.m is None else [self.m])
+        """The kernels' weight: the format's buffers in PARTS order."""
+        return list(self.parts().values())
 
     @torch.no_grad()
     def load(self, name: str, tensor, piece: int = 0):
@@ -242,15 +287,17 @@ class QuantLinear(nn.Module):
             self.bias[r0 : r0 + tensor.shape[0]].copy_(tensor)
             return
         n = tensor["qs"].shape[0]
-        if r0 + n > self.offsets[piece + 1] or tensor["qs"].shape[1:] != (self.qs.shape[1], 32):
+        chunk = (self.qs.shape[1], self.qs.shape[2] * 4)  # a row's chunks and bytes per chunk
+        if r0 + n > self.offsets[piece + 1] or tensor["qs"].shape[1:] != chunk:
             raise ValueError(f"quantized piece {piece} of shape {tuple(tensor['qs'].shape)} does not fit "
-                             f"{self.out_features} rows of {self.qs.shape[1]} x 32 codes at row {r0}")
+                             f"{self.out_features} rows of {chunk[0]} x {chunk[1]} code bytes at row {r0}")
         idx = torch.arange(r0, r0 + n)
         g, i = idx // GROUP, idx % GROUP
-        self.qs[g, :, :, i, :] = tensor["qs"].reshape(n, self.qs.shape[1], 8, 4)
-        self.d[g, :, i] = tensor["d"]
-        if self.m is not None:
-            self.m[g, :, i] = tensor["m"]
+        for name, buf in self.parts().items():
+            if buf.dim() == 3:  # scales [groups, units, 16]
+                buf[g, :, i] = tensor[name]
+            else:
+                buf[g, :, :, i, :] = tensor[name].reshape(n, buf.shape[1], buf.shape[2], 4)
 
 
 class QuantEmbedding(QuantLinear):
@@ -259,6 +306,64 @@ class QuantEmbedding(QuantLinear):
 
     def forward(self, ids):
         return self.embed(ids)
+
+
+class MixedQuantLinear(nn.Module):
+    """A fused projection whose pieces are stored in different formats (Qwen2.5 Q4_K_M: Q4_K q / k beside a Q6_K v):
+    one QuantLinear per run of pieces sharing a format, over its own rows (runs start at multiples of GROUP, so each
+    is whole groups). Kernels take `packed()`, the runs' buffers one after another, as row segments."""
+
+    def __init__(self, out_features: int, in_features: int, fmts: list[str], pieces: list[int], bias: bool = False,
+                 device=None):
+        super().__init__()
+        runs: list[tuple[str, list[int]]] = []
+        self._where = []  # piece -> (run, piece within the run)
+        for fmt, n in zip(fmts, pieces):
+            if not runs or runs[-1][0] != fmt:
+                runs.append((fmt, []))
+            self._where.append((len(runs) - 1, len(runs[-1][1])))
+            runs[-1][1].append(n)
+        self.runs = nn.ModuleList(QuantLinear(sum(sizes), in_features, fmt, pieces=sizes, device=device)
+                                  for fmt, sizes in runs)
+        self.out_features, self.in_features, self.pieces = out_features, in_features, list(pieces)
+        self.offsets = np.cumsum([0, *pieces]).tolist()
+        self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runs[0].dtype
+
+    @dtype.setter
+    def dtype(self, dtype: torch.dtype):
+        for r in self.runs:
+            r.dtype = dtype
+
+    def dense(self, rows: slice = slice(None), dtype=None) -> torch.Tensor:
+        return torch.cat([r.dense(dtype=dtype) for r in self.runs])[rows]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([r.matmul(x) for r in self.runs], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+    matmul = forward
+
+    def packed(self) -> list[torch.Tensor]:
+        return [t for r in self.runs for t in r.packed()]
+
+    @torch.no_grad()
+    def load(self, name: str, tensor, piece: int = 0):
+        if name == "bias":
+            self.bias[self.offsets[piece] : self.offsets[piece] + tensor.shape[0]].copy_(tensor)
+            return
+        run, local = self._where[piece]
+        self.runs[run].load(name, tensor, local)
+
+
+STORED_MODULES = (QuantLinear, MixedQuantLinear)  # modules whose weights are GGUF blocks (`packed()`)
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -273,9 +378,10 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def stored_plan(model: nn.Module, tensors, hf_name) -> dict[str, tuple]:
-    """Which modules can hold their GGUF tensors as stored: module name -> (format, [(gguf tensor, piece)]).
-    A module qualifies when all its pieces are of STORED_TYPES with one format and its class is one we replace
-    (column / row linear, vocab embedding) on a single rank."""
+    """Which modules can hold their GGUF tensors as stored: module name -> (format per piece, [(gguf tensor,
+    piece)]). A module qualifies when all its pieces are of STORED_TYPES and its class is one we replace (column /
+    row linear, vocab embedding) on a single rank; a fused one whose pieces differ in format (MixedQuantLinear) when
+    each change of format falls on a multiple of GROUP rows."""
     from lanner.distributed import tp_size
     from lanner.distributed.layers import (
         ColumnParallelLinear,
@@ -298,29 +404,44 @@ def stored_plan(model: nn.Module, tensors, hf_name) -> dict[str, tuple]:
     plan, skipped = {}, set()
     for owner, items in groups.items():
         mod = modules.get(owner)
-        fmts = {STORED_TYPES.get(t.tensor_type.name, (None,))[0] for t, _ in items}
+        sizes = list(getattr(mod, "local_sizes", [0]))
+        fmts = [None] * len(sizes)
+        for t, piece in items:
+            if piece < len(fmts):
+                fmts[piece] = STORED_TYPES.get(t.tensor_type.name, (None,))[0]
+        starts = np.cumsum([0, *sizes])
+        aligned = all(starts[i] % GROUP == 0 for i in range(1, len(fmts)) if fmts[i] != fmts[i - 1])
         if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)) or \
-                len(fmts) != 1 or None in fmts or len(items) != len(getattr(mod, "pieces", [0])):
-            skipped |= {t.tensor_type.name for t, _ in items}
+                None in fmts or len(items) != len(fmts) or not aligned:
+            skipped |= {(t.tensor_type.name, t.name) for t, _ in items}
             continue
-        plan[owner] = (fmts.pop(), items)
-    if skipped - {"F32", "F16", "BF16"}:
-        log.info("GGUF tensors of type(s) %s are dequantized at load (no stored-type kernels)", sorted(skipped))
+        plan[owner] = (fmts, items)
+    # the documented rule (docs/quantized.md): a quantized type without a kernel runs dequantized, with a warning
+    skipped = sorted((ty, name) for ty, name in skipped if ty not in ("F32", "F16", "BF16"))
+    if skipped:
+        log.warning("GGUF: %d quantized tensor(s) run dequantized to the model dtype (no stored-type kernel for "
+                    "their type, or a fused projection whose types change off a 16-row boundary): %s%s",
+                    len(skipped), ", ".join(f"{name} ({ty})" for ty, name in skipped[:4]),
+                    " ..." if len(skipped) > 4 else "")
     return plan
 
 
 def install(model: nn.Module, plan: dict[str, tuple]) -> None:
-    """Replaces each planned module (still on the meta device) by its QuantLinear / QuantEmbedding."""
+    """Replaces each planned module (still on the meta device) by its QuantLinear / MixedQuantLinear /
+    QuantEmbedding."""
     from lanner.distributed.layers import VocabParallelEmbedding
 
-    for owner, (fmt, _) in plan.items():
+    for owner, (fmts, _) in plan.items():
         parent_name, _, attr = owner.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         old = getattr(parent, attr)
         if isinstance(old, VocabParallelEmbedding):
-            new = QuantEmbedding(old.num_embeddings, old.embedding_dim, fmt, device="meta")
+            new = QuantEmbedding(old.num_embeddings, old.embedding_dim, fmts[0], device="meta")
+        elif len(set(fmts)) > 1:
+            new = MixedQuantLinear(old.out_features, old.in_features, fmts, list(old.local_sizes),
+                                   bias=old.bias is not None, device="meta")
         else:
-            new = QuantLinear(old.out_features, old.in_features, fmt, bias=old.bias is not None,
+            new = QuantLinear(old.out_features, old.in_features, fmts[0], bias=old.bias is not None,
                               pieces=list(old.local_sizes), device="meta")
         setattr(parent, attr, new)
 

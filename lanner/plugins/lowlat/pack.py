@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lanner.models.quant import QuantLinear
+from lanner.models.quant import STORED_MODULES
 from lanner.plugins.base import PluginMismatch
 
 
@@ -59,7 +59,7 @@ def model_weights(model, dtype, gemma: bool, rope) -> tuple[dict, dict]:
         return [get(lyr.mlp).data if k == kind else none for lyr, k in zip(layers, kinds)]
 
     def w(mod):  # the dense weight, or an empty [N, 0] stand-in for stored blocks (set_quant passes those)
-        return torch.empty(mod.out_features, 0, dtype=dtype) if isinstance(mod, QuantLinear) else mod.weight.data
+        return torch.empty(mod.out_features, 0, dtype=dtype) if isinstance(mod, STORED_MODULES) else mod.weight.data
 
     tensors = {
         "embed_tokens": w(model.embed_tokens), "norm": model.norm.weight.data, "rope_cos": rope[0],
@@ -111,10 +111,10 @@ def gemma_settings(model, dtype) -> tuple:
 
 
 def stored_weights(model) -> list:
-    """set_quant's weights: per layer qkv, o, gate_up and down as their packed GGUF blocks ([] for a dense one),
-    then the embedding's."""
+    """set_quant's weights: per layer qkv, o, gate_up and down as their packed GGUF blocks ([] for a dense one; a
+    MixedQuantLinear's runs one after another), then the embedding's."""
     def packed(mod):
-        return mod.packed() if isinstance(mod, QuantLinear) else []
+        return mod.packed() if isinstance(mod, STORED_MODULES) else []
 
     ws = [packed(m) for lyr in model.layers
           for m in (lyr.self_attn.qkv_proj, lyr.self_attn.o_proj, getattr(lyr.mlp, "gate_up_proj", None),

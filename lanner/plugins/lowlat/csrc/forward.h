@@ -52,7 +52,7 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
     int64_t a, b, s = comm.seq;  // s: this step's next collective
     // a projection's output columns, split over the threads (summed over the ranks under TP), onto the residual
     // stream (post_w: Gemma's post-norm)
-    auto project_add = [&](const QW& qw, const torch::Tensor& w, int64_t K, const XT* in, const float* post_w) {
+    auto project_add = [&](const QMat& qw, const torch::Tensor& w, int64_t K, const XT* in, const float* post_w) {
       split(hidden, 16, tid, nt, a, b);
       mm<WT, XT>(qw, w, K, a, b, in, K, M, tmp, hidden, tid);
       mark(0);

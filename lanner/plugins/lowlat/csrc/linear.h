@@ -65,7 +65,7 @@ inline torch::Tensor Model::linear(torch::Tensor x, torch::Tensor W, c10::option
   return out_float ? y.to(torch::kFloat32) : y.to(wdt);
 }
 
-// y = x @ W.T for a stored-type W ([qs, d(, m)], N rows of x's K columns), e.g. the tied Q8_0 LM head, with the
+// y = x @ W.T for a stored-type W (its buffers, or a MixedQuantLinear's row segments; N rows of x's K columns), e.g. the tied Q8_0 LM head, with the
 // forward's kernels and activation mode -> [M, N] in the model dtype (out_float: float32)
 // (argmax: -> int64 [M], argmax_rows of the result: greedy decoding's LM head without the logits)
 inline torch::Tensor Model::qlinear(torch::Tensor x, std::vector<torch::Tensor> w, int64_t N, bool out_float,
@@ -74,9 +74,9 @@ inline torch::Tensor Model::qlinear(torch::Tensor x, std::vector<torch::Tensor> 
               max_rows, ", K] on the CPU");
   const int64_t M = x.size(0), K = x.size(1);
   const size_t keep = q_keep.size();
-  const QW q = make_qw(w, N, K, "qlinear weight");
+  const QMat q = make_qmat(w, N, K, "qlinear weight");
   q_keep.resize(keep);  // the caller holds w for the call
-  TORCH_CHECK(q.quant() && q8_stride >= act_row_bytes(q.nbp), "lowlat.qlinear: needs set_quant and a weight no "
+  TORCH_CHECK(q.quant() && q8_stride >= act_row_bytes(q.nbp()), "lowlat.qlinear: needs set_quant and a weight no "
               "wider than the model's");
   const auto t0 = std::chrono::steady_clock::now();
   auto xf = x.to(torch::kFloat32).contiguous();
@@ -89,7 +89,7 @@ inline torch::Tensor Model::qlinear(torch::Tensor x, std::vector<torch::Tensor> 
     int64_t a, b;
     split(N, 16, tid, omp_get_num_threads(), a, b);
     char* xq = q8buf(tid);
-    prepare_rows(xp, K, int(M), K, q.nbp, xq, q8_stride, act);
+    prepare_rows(xp, K, int(M), K, q.nbp(), xq, q8_stride, act);
     qgemv(q, a, b, xq, q8_stride, act, int(M), yp, N);
   }
   if (argmax) y = argmax_rows(y);
@@ -142,13 +142,17 @@ inline torch::Tensor Model::dequant_t(std::vector<torch::Tensor> w, int64_t N, i
             put(64 * c + 32 + 4 * t + e, g, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(hi), d1), m1));
           }
         }
-      } else {  // s8: one block per chunk (K-quant "s8k": a scale per 16)
+      } else {  // s8 / u6 / u5: one block per chunk (u6: a scale per 16)
+        const __m512 d = q.scale(g, q.fmt == kU6 ? 2 * c : c), m = q.mins() ? q.offset(g, c) : _mm512_setzero_ps();
+        const __m512 d16 = q.fmt == kU6 ? q.scale(g, 2 * c + 1) : d;
         for (int t = 0; t < 8; t++) {
-          const __m512 d = q.kq() ? q.scale(g, 2 * c + t / 4) : q.scale(g, c);
-          const __m512i v = _mm512_loadu_si512(p + 64 * t);
+          const __m512i v = q.six() ? u6_codes(p, t) : _mm512_loadu_si512(p + 64 * t);
           for (int e = 0; e < 4; e++) {
-            const __m512i x = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * e), 24);
-            put(32 * c + 4 * t + e, g, _mm512_mul_ps(_mm512_cvtepi32_ps(x), d));
+            __m512i x = q.fmt == kS8 ? _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * e), 24)
+                                     : _mm512_and_si512(_mm512_srli_epi32(v, 8 * e), _mm512_set1_epi32(63));
+            if (q.fmt == kU6) x = _mm512_add_epi32(x, _mm512_set1_epi32(-32));
+            const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(x), t < 4 ? d : d16);
+            put(32 * c + 4 * t + e, g, q.mins() ? _mm512_add_ps(w, m) : w);
           }
         }
       }

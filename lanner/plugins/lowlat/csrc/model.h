@@ -88,7 +88,7 @@ struct Model {
   // GGUF weights in their stored type (set_quant, quant.h): per layer qkv / o / gate_up / down, and the embedding
   // (also the LM head); a kDense entry means the dense tensor above. act: QAct, the activation mode; the
   // quantized-row buffers: per thread max_rows rows of q8_stride bytes
-  std::vector<QW> q_qkv, q_o, q_gu, q_down;
+  std::vector<QMat> q_qkv, q_o, q_gu, q_down;
   QW q_embed;
   std::vector<torch::Tensor> q_keep;
   int act = kActQ8;
@@ -222,10 +222,10 @@ struct Model {
       off_xg = o; xg_stride = al(T * hidden * xs); o += nthreads * xg_stride;
     }
     scratch = torch::zeros({o + 64}, torch::kUInt8);
-    q_qkv.assign(L, QW());
-    q_o.assign(L, QW());
-    q_gu.assign(L, QW());
-    q_down.assign(L, QW());
+    q_qkv.assign(L, QMat());
+    q_o.assign(L, QMat());
+    q_gu.assign(L, QMat());
+    q_down.assign(L, QMat());
   }
 
   template <typename X> X* buf(int64_t off) const {
@@ -233,43 +233,81 @@ struct Model {
     return reinterpret_cast<X*>((base + 63) / 64 * 64 + off);
   }
 
-  // a repacked weight from [qs, d(, m)] (lanner/models/quant.py), rows interleaved in groups of 16: qs uint8
-  // [groups, blocks / 2, 8, 16, 4] is u4 (with m), int8 [groups, blocks, 8, 16, 4] s8; int16 scales
-  // [groups, blocks, 16] are float16 per block of 32, int32 ones a K-quant's float32 (per 32 for u4, per 16 for s8)
+  // a repacked weight from its buffers in lanner/models/quant.py's PARTS order, rows interleaved in groups of 16:
+  // qs uint8 [groups, blocks / 2, 8, 16, 4] (u4) or int8 [groups, blocks, 8, 16, 4] (s8), then [d(, m)] int16
+  // (float16 bits) [groups, blocks, 16], or a K-quant's [sc(, mn), sd(, sm)]: byte sub-block scales [groups, units,
+  // 16] and int16 super-block scales [groups, blocks / 8, 16]
   QW make_qw(const std::vector<torch::Tensor>& t, int64_t N, int64_t K, const std::string& what) {
     QW w;
     if (t.empty()) return w;
-    TORCH_CHECK(t.size() == 2 || t.size() == 3, "lowlat: ", what, ": expected [qs, d] or [qs, d, m]");
     for (const auto& x : t) TORCH_CHECK(x.is_contiguous() && x.device().is_cpu(), "lowlat: ", what, ": CPU contiguous");
     const auto& qs = t[0];
-    w.fmt = qs.scalar_type() == torch::kUInt8 ? kU4 : kS8;
+    // u6 codes: 6 vectors of 64 bytes per block and group (quant.h's u6_codes), u4 and s8: 8
+    const bool six = qs.dim() == 5 && qs.size(2) == 6;  // u6 / u5: Q6_K's [sc, sd], Q5_K's [sc, mn, sd, sm]
+    w.fmt = qs.scalar_type() != torch::kUInt8 ? kS8 : !six ? kU4 : t.size() == 5 ? kU5 : kU6;
     w.N = N;
     w.K = K;
     w.nbp = ((K + 31) / 32 + 1) / 2 * 2;
     const int64_t G = w.groups();
-    const bool kq = t[1].scalar_type() == at::kInt;
-    const int64_t nd = kq && w.fmt == kS8 ? 2 * w.nbp : w.nbp;
-    TORCH_CHECK(t[1].sizes() == c10::IntArrayRef({G, nd, kGroup}) && (kq || t[1].scalar_type() == at::kShort),
-                "lowlat: ", what, ": scales must be int16 (float16 bits) or int32 (float32 bits) [", G, ", ", nd,
-                ", 16]");
-    TORCH_CHECK(!kq || w.nbp * 32 == K, "lowlat: ", what, ": K-quant rows must be whole blocks, got K = ", K);
-    if (w.fmt == kU4) {
-      TORCH_CHECK(t.size() == 3 && qs.sizes() == c10::IntArrayRef({G, w.nbp / 2, 8, kGroup, 4}) &&
-                      t[2].sizes() == t[1].sizes() && t[2].scalar_type() == t[1].scalar_type(),
-                  "lowlat: ", what, ": u4 needs qs [", G, ", ", w.nbp / 2, ", 8, 16, 4] uint8 and m like d");
-    } else {
-      TORCH_CHECK(qs.scalar_type() == at::kChar && qs.sizes() == c10::IntArrayRef({G, w.nbp, 8, kGroup, 4}),
-                  "lowlat: ", what, ": s8 needs qs int8 [", G, ", ", w.nbp, ", 8, 16, 4]");
-    }
+    const bool u4 = w.fmt == kU4, mins = w.mins(), kq = t.size() >= 2 && t[1].scalar_type() != at::kShort;
+    const size_t want = kq ? (mins ? 5 : 3) : (u4 ? 3 : 2);
+    const int64_t nvec = six ? 6 : 8, nchunk = u4 ? w.nbp / 2 : w.nbp;
+    TORCH_CHECK((w.fmt == kS8) != kq || u4, "lowlat: ", what, ": s8 codes take float16 scales [d], u6 / u5 codes "
+                "K-quant ones");
+    TORCH_CHECK(t.size() == want, "lowlat: ", what, ": expected ", want, " tensors ([qs, d, m], [qs, d], [qs, sc, mn, "
+                "sd, sm] or [qs, sc, sd]), got ", t.size());
+    TORCH_CHECK(qs.scalar_type() == (w.fmt == kS8 ? at::kChar : at::kByte) &&
+                    qs.sizes() == c10::IntArrayRef({G, nchunk, nvec, kGroup, 4}),
+                "lowlat: ", what, ": codes must be ", w.fmt == kS8 ? "int8 [" : "uint8 [", G, ", ", nchunk, ", ",
+                nvec, ", 16, 4]");
+    auto check = [&](const torch::Tensor& x, at::ScalarType dt, int64_t units, const char* name) {
+      TORCH_CHECK(x.scalar_type() == dt && x.sizes() == c10::IntArrayRef({G, units, kGroup}), "lowlat: ", what,
+                  ": ", name, " must be ", c10::toString(dt), " [", G, ", ", units, ", 16]");
+    };
+    auto u16 = [](const torch::Tensor& x) { return reinterpret_cast<const uint16_t*>(x.data_ptr()); };
     w.qs = reinterpret_cast<const uint8_t*>(qs.data_ptr());
     if (kq) {
-      w.df = reinterpret_cast<const float*>(t[1].data_ptr());
-      if (w.fmt == kU4) w.mf = reinterpret_cast<const float*>(t[2].data_ptr());
+      TORCH_CHECK(w.nbp * 32 == K && w.nbp % 8 == 0, "lowlat: ", what, ": K-quant rows must be whole super-blocks, "
+                  "got K = ", K);
+      check(t[1], mins ? at::kByte : at::kChar, mins ? w.nbp : 2 * w.nbp, "sc");
+      check(t[mins ? 3 : 2], at::kShort, w.nbp / 8, "sd");
+      w.sc = reinterpret_cast<const uint8_t*>(t[1].data_ptr());
+      w.sd = u16(t[mins ? 3 : 2]);
+      if (mins) {
+        check(t[2], at::kByte, w.nbp, "mn");
+        check(t[4], at::kShort, w.nbp / 8, "sm");
+        w.mn = reinterpret_cast<const uint8_t*>(t[2].data_ptr());
+        w.sm = u16(t[4]);
+      }
     } else {
-      w.d = reinterpret_cast<const uint16_t*>(t[1].data_ptr());
-      if (w.fmt == kU4) w.m = reinterpret_cast<const uint16_t*>(t[2].data_ptr());
+      for (size_t i = 1; i < t.size(); i++) check(t[i], at::kShort, w.nbp, i == 1 ? "d" : "m");
+      w.d = u16(t[1]);
+      if (u4) w.m = u16(t[2]);
     }
     for (const auto& x : t) q_keep.push_back(x);
+    return w;
+  }
+
+  // a weight of N rows as row segments: t holds each segment's tensors (make_qw's) one after another; a segment
+  // spans its codes' groups of 16 rows (the last one: the rows left)
+  QMat make_qmat(const std::vector<torch::Tensor>& t, int64_t N, int64_t K, const std::string& what) {
+    QMat w;
+    for (size_t i = 0; i < t.size();) {
+      // a segment's tensor count from its dtypes: [qs, d(, m)] float16 scales; K-quants [qs, sc, mn, sd, sm] with
+      // uint8 sc (u4k, u5k), [qs, sc, sd] with int8 sc (u6k)
+      const bool u8 = t[i].scalar_type() == torch::kUInt8;
+      const bool kq = i + 1 < t.size() && t[i + 1].scalar_type() != at::kShort;
+      const size_t n = std::min(t.size() - i, kq ? (t[i + 1].scalar_type() == at::kByte ? size_t(5) : size_t(3))
+                                                 : (u8 ? size_t(3) : size_t(2)));
+      const int64_t r0 = w.row0.empty() ? 0 : w.row0.back() + w.seg.back().N;
+      TORCH_CHECK(r0 < N && t[i].dim() >= 1, "lowlat: ", what, ": its segments hold more than ", N, " rows");
+      const int64_t rows = std::min(N - r0, t[i].size(0) * kGroup);
+      w.seg.push_back(make_qw(std::vector<torch::Tensor>(t.begin() + i, t.begin() + i + n), rows, K, what));
+      w.row0.push_back(r0);
+      i += n;
+    }
+    TORCH_CHECK(w.seg.empty() || w.row0.back() + w.seg.back().N == N, "lowlat: ", what, ": its segments hold ",
+                w.row0.back() + w.seg.back().N, " rows, expected ", N);
     return w;
   }
 
@@ -283,11 +321,12 @@ struct Model {
     int64_t nbp_max = 0;
     for (int64_t l = 0; l < L; l++) {
       TORCH_CHECK(!is_moe[l] || (ws[4 * l + 2].empty() && ws[4 * l + 3].empty()), "lowlat: MoE layers stay dense");
-      q_qkv[l] = make_qw(ws[4 * l], nqkv, hidden, "qkv_proj");
-      q_o[l] = make_qw(ws[4 * l + 1], hidden, H * D, "o_proj");
-      q_gu[l] = make_qw(ws[4 * l + 2], 2 * inter, hidden, "gate_up_proj");
-      q_down[l] = make_qw(ws[4 * l + 3], hidden, inter, "down_proj");
-      for (const QW* w : {&q_qkv[l], &q_o[l], &q_gu[l], &q_down[l]}) nbp_max = std::max(nbp_max, w->nbp);
+      q_qkv[l] = make_qmat(ws[4 * l], nqkv, hidden, "qkv_proj");
+      q_o[l] = make_qmat(ws[4 * l + 1], hidden, H * D, "o_proj");
+      q_gu[l] = make_qmat(ws[4 * l + 2], 2 * inter, hidden, "gate_up_proj");
+      q_down[l] = make_qmat(ws[4 * l + 3], hidden, inter, "down_proj");
+      for (const QMat* w : {&q_qkv[l], &q_o[l], &q_gu[l], &q_down[l]})
+        if (w->quant()) nbp_max = std::max(nbp_max, w->nbp());
     }
     q_embed = make_qw(ws[4 * L], vocab, hidden, "embed_tokens");
     nbp_max = std::max(nbp_max, q_embed.nbp);
@@ -360,12 +399,12 @@ struct Model {
   // one of the forward's matmuls: the stored-type kernel when the weight is quantized, else the dense GEMV.
   // quantize=false reuses the quantized rows the previous call left in this thread's buffer (same X)
   template <typename WT, typename XT>
-  void mm(const QW& q, const torch::Tensor& dense, int64_t K, int64_t n0, int64_t n1, const XT* X, int64_t ldx, int M,
+  void mm(const QMat& q, const torch::Tensor& dense, int64_t K, int64_t n0, int64_t n1, const XT* X, int64_t ldx, int M,
           float* out, int64_t ldo, int tid, bool quantize = true) const {
     if (!q.quant()) return gemv<WT, XT>(ptr<WT>(dense), K, n0, n1, X, ldx, M, out, ldo);
     if constexpr (std::is_same<XT, float>::value) {
       char* xq = q8buf(tid);
-      if (quantize) prepare_rows(X, ldx, M, K, q.nbp, xq, q8_stride, act);
+      if (quantize) prepare_rows(X, ldx, M, K, q.nbp(), xq, q8_stride, act);
       qgemv(q, n0, n1, xq, q8_stride, act, M, out, ldo);
     }
   }

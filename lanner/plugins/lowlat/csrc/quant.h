@@ -3,12 +3,16 @@
 //   u4: 4-bit codes q, a scale d and offset m per block of 32 (w = d * q + m; Q4_1, Q4_0 as m = -8 d, Q4_K).
 //       32 bytes of a row hold two blocks: low nibbles the even block's 32 codes in element order, high nibbles
 //       the odd block's.
-//   s8: int8 codes, a scale d per block of 32 (w = d * q; Q8_0, Q5_0 widened), or per 16 (Q6_K).
-// Scales are float16 (int16 bits) per block, or a K-quant's float32 (int32 bits, super-block scale times the
-// sub-block's integer scale, exact). Rows have an even block count (zero-padded).
+//   s8: int8 codes, a scale d per block of 32 (w = d * q; Q8_0, Q5_0 widened).
+//   u6: Q6_K's 6-bit codes u = q + 32 (w = d * (u - 32)), a scale per 16, as two planes (u6_codes): 384 bytes per
+//       block and group instead of s8's 512.
+//   u5: Q5_K's 5-bit codes q in u6's layout, a scale and offset per block of 32 (w = d * q + m).
+// Scales are float16 (int16 bits) per block, or a K-quant's as stored: integer sub-block scales (u4k: uint8 sc and
+// mins mn per 32; u6k: int8 sc per 16) and float16 super-block scales (sd, and u4k's sm = -dmin per 256),
+// multiplied out per sub-block (exact in float32). Rows have an even block count (zero-padded).
 //
 // Rows are interleaved in groups of 16 (lanner/models/quant.py, GROUP): a group's codes are 512-byte chunks (a
-// u4 block pair or an s8 block), each 8 vectors of 64 bytes; vector t holds, for row i of the group, bytes
+// u4 block pair or an s8 block; u6: 384 bytes), each 8 (u6: 6) vectors of 64 bytes; vector t holds, for row i of the group, bytes
 // 4t..4t+3 of that row's 32 in 32-bit lane i. So one vpdpbusd against 4 activation codes broadcast to every lane
 // adds 4 products to each of the 16 rows' sums: no horizontal reductions, the unpacked codes serve 16 rows, and
 // the scales of 16 rows are one vector (scales [groups, blocks, 16]). A row's output is a lane of its group's.
@@ -20,7 +24,8 @@
 //          h = x16 >> 7 and l = x16 & 127 (x16 = 128 h + l): two vpdpbusd per code vector, the same integers.
 //   float: x itself; the exact integer codes are FMA'd against it and scaled per block.
 // u4 codes (0..15) are vpdpbusd's unsigned operand as they are; s8 codes go in biased (xor 0x80) with the bias
-// taken off by starting the sum at -128 * sum(x codes) (per 16 elements, ARow::nc). Without VNNI the same sums
+// taken off by starting the sum at -128 * sum(x codes) (per 16 elements, ARow::nc); u6 codes (0..63) are unsigned
+// with the bias 32 taken off alike in every build. Without VNNI the same sums
 // come from vpmaddubsw + vpmaddwd (s8: |w| and x with w's sign; |128 w| products cannot saturate: |x| <= 127).
 // Integer sums are exact, so VNNI, AVX512BW and AVX2 builds give the same bits.
 // Batch invariance: a (weight row, activation row) pair is one lane under the same instruction sequence whatever
@@ -30,41 +35,70 @@
 
 namespace lowlat {
 
-enum QFmt : int { kDense = 0, kU4 = 1, kS8 = 2 };
+enum QFmt : int { kDense = 0, kU4 = 1, kS8 = 2, kU6 = 3, kU5 = 4 };
 enum QAct : int { kActFloat = 0, kActQ8 = 1, kActQ16 = 2 };  // the activation modes above
 constexpr int64_t kGroup = 16;                                 // weight rows per interleaved group
 
-struct QW {  // one repacked weight [N, K]; qs / d / m point into tensors the plugin keeps alive
+struct QW {  // one repacked weight [N, K]; the pointers are into tensors the plugin keeps alive
   int fmt = kDense;
   int64_t N = 0, K = 0, nbp = 0;  // nbp: blocks per row, padded to even
   const uint8_t* qs = nullptr;
-  const uint16_t* d = nullptr;
+  const uint16_t* d = nullptr;  // float16 scale (and u4 offset m) per block of 32
   const uint16_t* m = nullptr;
-  const float* df = nullptr;  // K-quants: float32 scales instead of d / m (u4: per 32 with offsets mf; s8: per 16)
-  const float* mf = nullptr;
+  const uint8_t* sc = nullptr;  // K-quants: sub-block scales (u4k: uint8 per 32 with mins mn; u6k: int8 per 16)
+  const uint8_t* mn = nullptr;
+  const uint16_t* sd = nullptr;  // K-quants: float16 super-block scales (u4k: sm = -dmin too)
+  const uint16_t* sm = nullptr;
   bool quant() const { return fmt != kDense; }
-  bool kq() const { return df != nullptr; }
+  bool kq() const { return sd != nullptr; }
   int64_t groups() const { return (N + kGroup - 1) / kGroup; }
-  int64_t chunks() const { return fmt == kU4 ? nbp / 2 : nbp; }       // 512-byte code chunks per group
-  int64_t units() const { return kq() && fmt == kS8 ? 2 * nbp : nbp; }  // scales per row
-  const uint8_t* chunk(int64_t g, int64_t c) const { return qs + (g * chunks() + c) * 512; }
+  int64_t chunks() const { return fmt == kU4 ? nbp / 2 : nbp; }       // code chunks per group
+  bool six() const { return fmt == kU6 || fmt == kU5; }               // codes in u6_codes' layout
+  bool mins() const { return fmt == kU4 || fmt == kU5; }              // w = d * q + m
+  int64_t chunk_bytes() const { return six() ? 384 : 512; }           // 16 rows x 32 codes (u4: x 64)
+  int64_t units() const { return fmt == kU6 ? 2 * nbp : nbp; }         // scales per row
+  int64_t supers() const { return nbp / 8; }                           // K-quant super-blocks per row
+  const uint8_t* chunk(int64_t g, int64_t c) const { return qs + (g * chunks() + c) * chunk_bytes(); }
+  // the 16 rows' float16 super-block values of scale unit j
+  __m512 super(const uint16_t* p, int64_t g, int64_t j) const {
+    const int64_t s = j / (units() / supers());
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(p + (g * supers() + s) * kGroup)));
+  }
   // the 16 rows' scale (offset) of scale unit j in group g
   __m512 scale(int64_t g, int64_t j) const {
     const int64_t i = (g * units() + j) * kGroup;
-    return kq() ? _mm512_loadu_ps(df + i) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + i)));
+    if (!kq()) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(d + i)));
+    const __m128i c = _mm_loadu_si128((const __m128i*)(sc + i));
+    const __m512i ci = fmt == kU6 ? _mm512_cvtepi8_epi32(c) : _mm512_cvtepu8_epi32(c);
+    return _mm512_mul_ps(super(sd, g, j), _mm512_cvtepi32_ps(ci));
   }
   __m512 offset(int64_t g, int64_t j) const {
     const int64_t i = (g * units() + j) * kGroup;
-    return kq() ? _mm512_loadu_ps(mf + i) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m + i)));
+    if (!kq()) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(m + i)));
+    const __m512i ci = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(mn + i)));
+    return _mm512_mul_ps(super(sm, g, j), _mm512_cvtepi32_ps(ci));
   }
   float scale_at(int64_t n, int64_t j) const {
     const int64_t i = ((n / kGroup) * units() + j) * kGroup + n % kGroup;
-    return kq() ? df[i] : _cvtsh_ss(d[i]);
+    if (!kq()) return _cvtsh_ss(d[i]);
+    const int64_t s = ((n / kGroup) * supers() + j / (units() / supers())) * kGroup + n % kGroup;
+    return _cvtsh_ss(sd[s]) * float(fmt == kU6 ? int(int8_t(sc[i])) : int(sc[i]));
   }
   float offset_at(int64_t n, int64_t j) const {
     const int64_t i = ((n / kGroup) * units() + j) * kGroup + n % kGroup;
-    return kq() ? mf[i] : _cvtsh_ss(m[i]);
+    if (!kq()) return _cvtsh_ss(m[i]);
+    const int64_t s = ((n / kGroup) * supers() + j / (units() / supers())) * kGroup + n % kGroup;
+    return _cvtsh_ss(sm[s]) * float(int(mn[i]));
   }
+};
+
+// A weight as row segments of stored-type weights (a fused projection whose pieces differ in format, e.g. Q4_K
+// q / k rows beside Q6_K v rows; most weights are one segment). Segments start at multiples of 16 rows.
+struct QMat {
+  std::vector<QW> seg;
+  std::vector<int64_t> row0;  // each segment's first row
+  bool quant() const { return !seg.empty(); }
+  int64_t nbp() const { return seg[0].nbp; }
 };
 
 static inline float f2h2f(float f) { return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)); }
@@ -163,13 +197,15 @@ static inline void prefetch_line(const void* p) {
 static inline void prefetch_chunk(const QW& w, int64_t g, int64_t c) {
   if (g_qprefetch == 0) return;
   const uint8_t* v = w.chunk(g, c) + g_qprefetch;
-  for (int o = 0; o < 512; o += 64) prefetch_line(v + o);
-  const int64_t per_chunk = w.units() / w.chunks(), es = w.kq() ? 4 : 2, sb = per_chunk * kGroup * es;
-  const int64_t i = (g * w.units() + c * per_chunk) * kGroup, ahead = g_qprefetch / 512 * sb;
-  const char* d = w.kq() ? reinterpret_cast<const char*>(w.df + i) : reinterpret_cast<const char*>(w.d + i);
+  for (int64_t o = 0; o < w.chunk_bytes(); o += 64) prefetch_line(v + o);
+  // the chunk's scales (and offsets): float16 per unit, or a K-quant's byte per unit (its float16 super-block
+  // scales are 1/8-1/16 of that stream: the hardware prefetcher keeps up)
+  const int64_t per_chunk = w.units() / w.chunks(), es = w.kq() ? 1 : 2, sb = per_chunk * kGroup * es;
+  const int64_t i = (g * w.units() + c * per_chunk) * kGroup, ahead = g_qprefetch / w.chunk_bytes() * sb;
+  const char* d = w.kq() ? reinterpret_cast<const char*>(w.sc + i) : reinterpret_cast<const char*>(w.d + i);
   for (int64_t o = 0; o < sb; o += 64) prefetch_line(d + ahead + o);
-  if (w.fmt == kU4) {
-    const char* m = w.kq() ? reinterpret_cast<const char*>(w.mf + i) : reinterpret_cast<const char*>(w.m + i);
+  if (w.mins()) {
+    const char* m = w.kq() ? reinterpret_cast<const char*>(w.mn + i) : reinterpret_cast<const char*>(w.m + i);
     for (int64_t o = 0; o < sb; o += 64) prefetch_line(m + ahead + o);
   }
 }
@@ -219,33 +255,82 @@ struct CodeVec {
   }
 };
 
-// group g of an integer-code weight against MB q8 / q16 activation rows -> out[r]: the 16 rows' results; pf: the
-// first row block of the group prefetches the stream ahead
-template <int MB, bool Q16, bool S8>
+static inline __m512i load64(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+
+// u6 code vector t (0..7) of a 384-byte chunk: elements 4t..4t+3 of the block's 32 in each row's lane, 0..63.
+// Vector t % 4 holds their low 4 bits (low nibbles: t < 4, high: t >= 4), vector 4 + t / 4 their high 2 bits at
+// bits 2 (t % 4)..+1 of each byte.
+static inline __m512i u6_codes(const uint8_t* v, int t) {
+  const __m512i nib = load64(v + 64 * (t & 3)), hb = load64(v + 256 + 64 * (t >> 2));
+  const int s = 2 * (t & 3);
+  const __m512i lo = _mm512_and_si512(t < 4 ? nib : _mm512_srli_epi32(nib, 4), _mm512_set1_epi8(0x0f));
+  const __m512i hi = _mm512_and_si512(s <= 4 ? _mm512_slli_epi32(hb, 4 - s) : _mm512_srli_epi32(hb, s - 4),
+                                      _mm512_set1_epi8(0x30));
+  return _mm512_add_epi32(lo, hi);  // disjoint bits: no carries
+}
+
+// Calls unit(code, nvec, e0, b, j, h) for each scale unit of group g in order: code(t) gives code vector t < nvec
+// (bytes in 0..15 (u4), 0..63 (u6) or int8 (s8)) of the unit's elements e0.., which lie in activation block b,
+// weight scale unit j and activation half-block (16 elements) h (-1: the whole block)
+template <int F, typename Unit>
+static inline void for_units(const QW& w, int64_t g, bool pf, Unit&& unit) {
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  if constexpr (F == kU4) {
+    for (int64_t p = 0; p < w.nbp / 2; p++) {
+      if (pf) prefetch_chunk(w, g, p);
+      const uint8_t* v = w.chunk(g, p);
+      unit([&](int t) { return _mm512_and_si512(load64(v + 64 * t), lo4); }, 8, 64 * p, 2 * p, 2 * p, -1);
+      unit([&](int t) { return _mm512_and_si512(_mm512_srli_epi32(load64(v + 64 * t), 4), lo4); }, 8, 64 * p + 32,
+           2 * p + 1, 2 * p + 1, -1);
+    }
+  } else {
+    for (int64_t b = 0; b < w.nbp; b++) {
+      if (pf) prefetch_chunk(w, g, b);
+      const uint8_t* v = w.chunk(g, b);
+      if constexpr (F == kU6) {
+        unit([&](int t) { return u6_codes(v, t); }, 4, 32 * b, b, 2 * b, 2 * b);
+        unit([&](int t) { return u6_codes(v, 4 + t); }, 4, 32 * b + 16, b, 2 * b + 1, 2 * b + 1);
+      } else if constexpr (F == kU5) {
+        unit([&](int t) { return u6_codes(v, t); }, 8, 32 * b, b, b, -1);
+      } else {
+        unit([&](int t) { return load64(v + 64 * t); }, 8, 32 * b, b, b, -1);
+      }
+    }
+  }
+}
+
+#ifdef __AVX512VNNI__
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+// group g of an integer-code weight of format F against MB q8 / q16 activation rows -> out[r]: the 16 rows'
+// results; pf: the first row block of the group prefetches the stream ahead. Biased codes (s8 under VNNI: + 128;
+// u6: + 32 by construction) start each sum at -bias * sum(x codes) (ARow::nc holds -128 * sum per 16).
+template <int MB, bool Q16, int F>
 static inline void group_int(const QW& w, int64_t g, const ARow* xr, bool pf, __m512* out) {
+  constexpr bool kS = F == kS8, kBias = F == kU6 || (kS && kVnni), kOffset = F == kU4 || F == kU5;
+  constexpr int kDiv = F == kU6 ? 4 : 1;
   __m512 acc[MB], accm[MB];
   for (int r = 0; r < MB; r++) acc[r] = accm[r] = _mm512_setzero_ps();
-  const __m512i lo4 = _mm512_set1_epi8(0x0f);
-  // nvec code vectors from v covering elements e0.. of block b, scale unit j; bias halves [h0, h0 + nh)
   // vpdpbusd's 4-cycle latency wants 4 independent sums in flight: with fewer rows x planes each sum runs as C
   // chains over alternate code vectors, added up after (integer sums: the same bits for any C)
   constexpr int C = MB * (Q16 ? 2 : 1) >= 4 ? 1 : MB * (Q16 ? 2 : 1) == 1 ? 4 : 2;
-  auto unit = [&](const uint8_t* v, int nvec, int shift, int64_t e0, int64_t b, int64_t j, int64_t h0, int nh)
-                  __attribute__((always_inline)) {
+  for_units<F>(w, g, pf, [&](auto code, int nvec, int64_t e0, int64_t b, int64_t j, int64_t h)
+                              __attribute__((always_inline)) {
     __m512i ih[MB][C], il[MB][C];
     for (int r = 0; r < MB; r++) {
       for (int c = 0; c < C; c++) ih[r][c] = il[r][c] = _mm512_setzero_si512();
-#ifdef __AVX512VNNI__
-      if constexpr (S8) {
-        ih[r][0] = _mm512_set1_epi32(nh == 2 ? xr[r].nc[h0] + xr[r].nc[h0 + 1] : xr[r].nc[h0]);
-        if constexpr (Q16) il[r][0] = _mm512_set1_epi32(nh == 2 ? xr[r].ncl[h0] + xr[r].ncl[h0 + 1] : xr[r].ncl[h0]);
+      if constexpr (kBias) {
+        auto bias = [&](const int32_t* n) { return (h < 0 ? n[2 * b] + n[2 * b + 1] : n[h]) / kDiv; };
+        ih[r][0] = _mm512_set1_epi32(bias(xr[r].nc));
+        if constexpr (Q16) il[r][0] = _mm512_set1_epi32(bias(xr[r].ncl));
       }
-#endif
     }
 #pragma GCC unroll 8
     for (int t = 0; t < nvec; t++) {
-      const __m512i raw = _mm512_loadu_si512((const void*)(v + t * 64));
-      const CodeVec<S8> c(S8 ? raw : _mm512_and_si512(shift ? _mm512_srli_epi32(raw, 4) : raw, lo4));
+      const CodeVec<kS> c(code(t));
       for (int r = 0; r < MB; r++) {
         ih[r][t % C] = c.dot(ih[r][t % C], load4(xr[r].q + e0 + 4 * t));
         if constexpr (Q16) il[r][t % C] = c.dot(il[r][t % C], load4(xr[r].l + e0 + 4 * t));
@@ -261,48 +346,30 @@ static inline void group_int(const QW& w, int64_t g, const ARow* xr, bool pf, __
       const __m512i s = Q16 ? _mm512_add_epi32(_mm512_slli_epi32(ih[r][0], 7), il[r][0]) : ih[r][0];
       acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(xr[r].d[b])), dw, acc[r]);
     }
-    if constexpr (!S8) {
+    if constexpr (kOffset) {
       const __m512 mw = w.offset(g, j);
       for (int r = 0; r < MB; r++) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xr[r].s[b]), accm[r]);
     }
-  };
-  if constexpr (!S8) {
-    for (int64_t p = 0; p < w.nbp / 2; p++) {
-      if (pf) prefetch_chunk(w, g, p);
-      const uint8_t* v = w.chunk(g, p);
-      unit(v, 8, 0, 64 * p, 2 * p, 2 * p, 0, 0);
-      unit(v, 8, 4, 64 * p + 32, 2 * p + 1, 2 * p + 1, 0, 0);
-    }
-    for (int r = 0; r < MB; r++) out[r] = _mm512_add_ps(acc[r], accm[r]);
-  } else {
-    for (int64_t b = 0; b < w.nbp; b++) {
-      if (pf) prefetch_chunk(w, g, b);
-      const uint8_t* v = w.chunk(g, b);
-      if (w.kq()) {  // Q6_K: a scale per 16 elements, 4 vectors each
-        unit(v, 4, 0, 32 * b, b, 2 * b, 2 * b, 1);
-        unit(v + 256, 4, 0, 32 * b + 16, b, 2 * b + 1, 2 * b + 1, 1);
-      } else {
-        unit(v, 8, 0, 32 * b, b, b, 2 * b, 2);
-      }
-    }
-    for (int r = 0; r < MB; r++) out[r] = acc[r];
-  }
+  });
+  for (int r = 0; r < MB; r++) out[r] = kOffset ? _mm512_add_ps(acc[r], accm[r]) : acc[r];
 }
 
 // group g against MB float activation rows: the exact integer codes FMA'd against x (two chains), per scale unit
 // times the 16 rows' scales (+ u4's offsets times the block's sum of x)
-template <int MB, bool S8>
+template <int MB, int F>
 static inline void group_float(const QW& w, int64_t g, const ARow* xr, bool pf, __m512* out) {
   __m512 acc[MB], accm[MB];
   for (int r = 0; r < MB; r++) acc[r] = accm[r] = _mm512_setzero_ps();
-  auto unit = [&](const uint8_t* v, int nvec, int shift, int64_t e0, int64_t b, int64_t j) __attribute__((always_inline)) {
+  for_units<F>(w, g, pf, [&](auto code, int nvec, int64_t e0, int64_t b, int64_t j, int64_t)
+                              __attribute__((always_inline)) {
     __m512 fa[MB][2];
     for (int r = 0; r < MB; r++) fa[r][0] = fa[r][1] = _mm512_setzero_ps();
     for (int t = 0; t < nvec; t++) {
-      const __m512i raw = _mm512_loadu_si512((const void*)(v + t * 64));
+      const __m512i raw = code(t);
       for (int k = 0; k < 4; k++) {
-        const __m512i c = S8 ? _mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * k), 24)
-                             : _mm512_and_si512(_mm512_srli_epi32(raw, 8 * k + shift), _mm512_set1_epi32(15));
+        __m512i c = F == kS8 ? _mm512_srai_epi32(_mm512_slli_epi32(raw, 24 - 8 * k), 24)
+                             : _mm512_and_si512(_mm512_srli_epi32(raw, 8 * k), _mm512_set1_epi32(0xff));
+        if (F == kU6) c = _mm512_add_epi32(c, _mm512_set1_epi32(-32));
         const __m512 cf = _mm512_cvtepi32_ps(c);
         for (int r = 0; r < MB; r++)
           fa[r][k & 1] = _mm512_fmadd_ps(cf, _mm512_set1_ps(xr[r].x[e0 + 4 * t + k]), fa[r][k & 1]);
@@ -310,37 +377,19 @@ static inline void group_float(const QW& w, int64_t g, const ARow* xr, bool pf, 
     }
     const __m512 dw = w.scale(g, j);
     for (int r = 0; r < MB; r++) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(fa[r][0], fa[r][1]), dw, acc[r]);
-    if constexpr (!S8) {
+    if constexpr (F == kU4 || F == kU5) {
       const __m512 mw = w.offset(g, j);
       for (int r = 0; r < MB; r++) accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xr[r].s[b]), accm[r]);
     }
-  };
-  if constexpr (!S8) {
-    for (int64_t p = 0; p < w.nbp / 2; p++) {
-      if (pf) prefetch_chunk(w, g, p);
-      unit(w.chunk(g, p), 8, 0, 64 * p, 2 * p, 2 * p);
-      unit(w.chunk(g, p), 8, 4, 64 * p + 32, 2 * p + 1, 2 * p + 1);
-    }
-    for (int r = 0; r < MB; r++) out[r] = _mm512_add_ps(acc[r], accm[r]);
-  } else {
-    for (int64_t b = 0; b < w.nbp; b++) {
-      if (pf) prefetch_chunk(w, g, b);
-      if (w.kq()) {
-        unit(w.chunk(g, b), 4, 0, 32 * b, b, 2 * b);
-        unit(w.chunk(g, b) + 256, 4, 0, 32 * b + 16, b, 2 * b + 1);
-      } else {
-        unit(w.chunk(g, b), 8, 0, 32 * b, b, b);
-      }
-    }
-    for (int r = 0; r < MB; r++) out[r] = acc[r];
-  }
+  });
+  for (int r = 0; r < MB; r++) out[r] = F == kU4 || F == kU5 ? _mm512_add_ps(acc[r], accm[r]) : acc[r];
 }
 
-template <int MB, bool S8>
+template <int MB, int F>
 static inline void group_rows(const QW& w, int64_t g, const ARow* xr, int act, bool pf, __m512* out) {
-  if (act == kActQ8) group_int<MB, false, S8>(w, g, xr, pf, out);
-  else if (act == kActQ16) group_int<MB, true, S8>(w, g, xr, pf, out);
-  else group_float<MB, S8>(w, g, xr, pf, out);
+  if (act == kActQ8) group_int<MB, false, F>(w, g, xr, pf, out);
+  else if (act == kActQ16) group_int<MB, true, F>(w, g, xr, pf, out);
+  else group_float<MB, F>(w, g, xr, pf, out);
 }
 
 // activation rows per block: as many as the registers hold with each row's integer sums and float accumulators
@@ -354,8 +403,10 @@ static inline int block_rows(int act) {
 
 template <int MB>
 static inline void block(const QW& w, int64_t g, const ARow* xr, int act, bool pf, __m512* out) {
-  if (w.fmt == kS8) group_rows<MB, true>(w, g, xr, act, pf, out);
-  else group_rows<MB, false>(w, g, xr, act, pf, out);
+  if (w.fmt == kS8) group_rows<MB, kS8>(w, g, xr, act, pf, out);
+  else if (w.fmt == kU6) group_rows<MB, kU6>(w, g, xr, act, pf, out);
+  else if (w.fmt == kU5) group_rows<MB, kU5>(w, g, xr, act, pf, out);
+  else group_rows<MB, kU4>(w, g, xr, act, pf, out);
 }
 
 // rows [n0, n1) of W against M prepared activation rows (xq, stride qstride bytes): out[m * ldo + n]. Whole
@@ -387,6 +438,15 @@ static void qgemv(const QW& w, int64_t n0, int64_t n1, char* xq, int64_t qstride
   }
 }
 
+// rows [n0, n1) of a segmented weight: each segment's share of them
+static void qgemv(const QMat& w, int64_t n0, int64_t n1, char* xq, int64_t qstride, int act, int M, float* out,
+                  int64_t ldo) {
+  for (size_t i = 0; i < w.seg.size(); i++) {
+    const int64_t r0 = w.row0[i], a = std::max(n0, r0), b = std::min(n1, r0 + w.seg[i].N);
+    if (a < b) qgemv(w.seg[i], a - r0, b - r0, xq, qstride, act, M, out + r0, ldo);
+  }
+}
+
 // bytes of one prepared activation row of nbp blocks
 static inline int64_t act_row_bytes(int64_t nbp) { return ARow::bytes(nbp); }
 
@@ -404,9 +464,15 @@ static inline void qrow(const QW& w, int64_t n, float* dst) {
     if (w.fmt == kU4) {
       const uint8_t byte = w.chunk(g, b / 2)[at];
       dst[k] = std::fma(float(b % 2 ? byte >> 4 : byte & 15), w.scale_at(n, b), w.offset_at(n, b));
+    } else if (w.six()) {  // u6_codes' layout
+      const int64_t half = e / 16, r = e % 16, o = lane * 4 + r % 4;
+      const uint8_t nib = w.chunk(g, b)[(r / 4) * 64 + o], hb = w.chunk(g, b)[256 + half * 64 + o];
+      const int code = (half ? nib >> 4 : nib & 15) | (((hb >> (2 * (r / 4))) & 3) << 4);
+      if (w.fmt == kU6) dst[k] = float(code - 32) * w.scale_at(n, 2 * b + half);
+      else dst[k] = std::fma(float(code), w.scale_at(n, b), w.offset_at(n, b));
     } else {
       const int8_t code = static_cast<int8_t>(w.chunk(g, b)[at]);
-      dst[k] = float(code) * w.scale_at(n, w.kq() ? 2 * b + e / 16 : b);
+      dst[k] = float(code) * w.scale_at(n, b);
     }
   }
 }
