@@ -69,6 +69,7 @@ class ToolCallParser:
         self.ws = ""  # whitespace held until more content follows it
         self.started = False  # some content was sent (leading whitespace is dropped before it)
         self.ended = False  # parallel=False and the call came: the rest is dropped
+        self.scan = [-1]  # _json_end's state over the held call (indices into buf)
 
     def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
         if self.ended:
@@ -105,6 +106,8 @@ class ToolCallParser:
                     break
             pos = end
         self.buf = self.buf[pos:]
+        if pos:  # the indices moved
+            self.scan = [-1]
         return self._content("".join(content), final or self.ended), calls
 
     # the earliest place a call starts, or may start once more text comes
@@ -188,7 +191,7 @@ class ToolCallParser:
             value = start
         if value == len(buf):
             return -1, None
-        end = _json_end(buf, value)
+        end = _json_end(buf, value, self.scan)
         if end < 0:
             return -1, None
         calls = self._calls(buf[value:end], explicit)
@@ -272,11 +275,16 @@ def _skip_ws(s: str, i: int) -> int:
     return i
 
 
-def _json_end(s: str, i: int) -> int:
+def _json_end(s: str, i: int, state: list | None = None) -> int:
     """Just past the JSON object or array that starts at s[i] (brackets balanced outside strings), or -1 when s
-    ends first."""
-    depth, in_str, esc = 0, False, False
-    for j in range(i, len(s)):
+    ends first. state ([start, scanned up to, depth, in string, escaped], updated) resumes an earlier scan of the
+    same value: a long call streamed in small deltas is then scanned once, not once per delta."""
+    if state is None:
+        state = [-1]
+    if state[0] != i:
+        state[:] = [i, i, 0, False, False]
+    _, start, depth, in_str, esc = state
+    for j in range(start, len(s)):
         c = s[j]
         if in_str:
             if esc:
@@ -293,6 +301,7 @@ def _json_end(s: str, i: int) -> int:
             depth -= 1
             if depth == 0:
                 return j + 1
+    state[1:] = [len(s), depth, in_str, esc]
     return -1
 
 

@@ -35,6 +35,8 @@ CASES = [
      "Reading it.\n\nDone.", [MAIN]),
     ("hermes", '```\n[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
                '{"name": "read_file", "arguments": "{\\"path\\": \\"src/main.py\\"}"}]\n```', None, [PARIS, MAIN]),
+    ("gemma", '{"name": "read_file", "arguments": {"path": "a\\"}]{[.py"}}', None,  # brackets in a string
+     [("read_file", {"path": 'a"}]{[.py'})]),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
     ("llama3", '<|python_tag|>{"name": "read_file", "parameters": {"path": "src/main.py"}}', None, [MAIN]),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '

@@ -22,6 +22,11 @@ from lanner.bench.report import environment, markdown_table, output_paths, write
 HELP = "Tool calls of a real model under tool_choice=auto, through the server and the openai client."
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 SYSTEM = "You are a coding assistant working in the user's repository. Use the tools when they help."
+# an agent's kind of system prompt (written after the first runs, in which the model twice explained instead of
+# calling): the tools are its only way to the repository. --system agent picks it
+AGENT_SYSTEM = ("You are a coding agent running in the user's repository. You can see files, run commands, search "
+                "the code and write files only through the tools: when a request needs one of those, call the tool "
+                "instead of explaining how the user could do it.")
 
 
 def _fn(name: str, description: str, properties: dict, required: list[str]) -> dict:
@@ -68,6 +73,8 @@ ASKS = [
 def add_arguments(p):
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--limit", type=int, default=None, help="run only the first N asks")
+    p.add_argument("--system", choices=["assistant", "agent"], default="assistant",
+                   help="the system prompt: a plain assistant's (the default) or an agent's")
     p.add_argument("--out-dir", default="results")
     p.add_argument("--json", default=None, help="JSON output path (default: OUT_DIR/tool_calls_qwen.json)")
 
@@ -115,8 +122,8 @@ def check(calls: list[tuple[str, str]]) -> str | None:
     return None
 
 
-def ask(client, model: str, question: str, max_tokens: int) -> dict:
-    kw = dict(model=model, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+def ask(client, model: str, system: str, question: str, max_tokens: int) -> dict:
+    kw = dict(model=model, messages=[{"role": "system", "content": system}, {"role": "user", "content": question}],
               tools=TOOLS, temperature=0, max_tokens=max_tokens)
     t = time.perf_counter()
     full = client.chat.completions.create(**kw).choices[0]
@@ -140,12 +147,13 @@ def run(args, engine_options: dict) -> dict:
     import openai
 
     asks = ASKS[: args.limit] if args.limit else ASKS
+    system = AGENT_SYSTEM if args.system == "agent" else SYSTEM
     results = []
     with serving(engine_options) as (base, engine):
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=900)
         model = engine.model_name
         for question, want in asks:
-            r = {"ask": question, "expected_tool": want, **ask(client, model, question, args.max_tokens)}
+            r = {"ask": question, "expected_tool": want, **ask(client, model, system, question, args.max_tokens)}
             r["expected_tool_called"] = bool(r["calls"]) and r["calls"][0][0] == want
             results.append(r)
             print(f"{'ok ' if r['failure'] is None else 'BAD'} {question!r}: {r['calls'] or r['content']!r} "
@@ -163,7 +171,7 @@ def run(args, engine_options: dict) -> dict:
     json_path, _ = output_paths(args.json, args.out_dir, "tool_calls_qwen")
     data = {"benchmark": "tools", "environment": environment(config), "model": config.model,
             "tool_choice": "auto", "temperature": 0, "max_tokens": args.max_tokens, "passed": passed,
-            "asks": len(results), "streamed_same": same, "expected_tool_called": expected, "system": SYSTEM,
+            "asks": len(results), "streamed_same": same, "expected_tool_called": expected, "system": system,
             "tools": TOOLS, "results": results}
     write_json(json_path, data)
     print(f"\nwrote {json_path}")
