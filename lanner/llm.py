@@ -56,8 +56,8 @@ class LLM:
             reqs.append(self.engine.make_request(None, params_i, prompt_ids=prompt_ids))
         outputs = self._run(reqs, use_tqdm)
         if tools and tool_choice != "none":
-            for out in outputs:
-                out.tool_calls = parse_tool_calls(out.text)[1]
+            for out, req in zip(outputs, reqs):
+                out.tool_calls = parse_tool_calls(out.text, req.params.structured, tools)[1]
         return outputs
 
     @staticmethod

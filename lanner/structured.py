@@ -32,7 +32,7 @@ class FieldError(ValueError):
 
 
 # Hermes / Qwen2.5 tool-call format: the arguments object sits inside {"name": ..., "arguments": ...}
-TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"  # (the other families: lanner.tool_formats)
 
 
 @dataclass
@@ -45,6 +45,7 @@ class StructuredOutput:
     tool_choice: str = "auto"  # "auto" | "required" | "function:<name>"
     parallel_tool_calls: bool = True
     strict: bool = True
+    family: str = "hermes"  # the tool-call format the model writes (lanner.tool_formats.FAMILIES)
 
     def __post_init__(self):
         self.validate()
@@ -62,6 +63,10 @@ class StructuredOutput:
                 raise FieldError(f"tools[{i}].function: needs a non-empty string name")
             check_schema(fn.get("parameters", {"type": "object"}), f"tools[{i}].function.parameters")
             names.append(fn["name"])
+        from lanner.tool_formats import FAMILIES
+
+        if self.family not in FAMILIES:
+            raise FieldError(f"structured.family: expected one of {FAMILIES}, got {self.family!r}")
         if self.tool_choice not in ("auto", "required"):
             name = self.tool_choice.removeprefix("function:")
             if not self.tool_choice.startswith("function:") or name not in names:
@@ -70,38 +75,19 @@ class StructuredOutput:
     def key(self) -> str:
         """Canonical JSON: equal constraints share one compiled grammar."""
         return json.dumps([self.json_schema, self.json_object, self.tools, self.tool_choice,
-                           self.parallel_tool_calls, self.strict], sort_keys=True)
+                           self.parallel_tool_calls, self.strict, self.family], sort_keys=True)
 
     def structural_tag(self):
-        """auto: free text, and at `<tool_call>` the grammar takes over until `</tool_call>`; required / named:
-        only tool calls (one, or several separated by newlines when parallel calls are allowed)."""
-        from xgrammar.structural_tag import (
-            JSONSchemaFormat,
-            StructuralTag,
-            TagFormat,
-            TagsWithSeparatorFormat,
-            TriggeredTagsFormat,
-        )
+        """The xgrammar structural tag of a tools constraint, in the family's formats (lanner.tool_formats)."""
+        from lanner.tool_formats import structural_tag
 
-        tools = self.tools
-        if self.tool_choice.startswith("function:"):
-            tools = [t for t in tools if t["function"]["name"] == self.tool_choice.removeprefix("function:")]
-        # bounded whitespace runs: room for pretty-printed nesting, none for the endless padding a small model can fall
-        # into; the tightest bound (1) pushed the bundled model off its "{\n    \"key\"" habit into garbage
-        tags = [TagFormat(begin=f'{TOOL_CALL_OPEN}\n{{"name": "{t["function"]["name"]}", "arguments": ',
-                          content=JSONSchemaFormat(json_schema=_parameters(t), max_whitespace_cnt=12),
-                          end=f"}}\n{TOOL_CALL_CLOSE}")
-                for t in tools]
-        one = not self.parallel_tool_calls
-        if self.tool_choice == "auto":
-            fmt = TriggeredTagsFormat(triggers=[TOOL_CALL_OPEN], tags=tags, stop_after_first=one)
-        else:
-            fmt = TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=one)
-        return StructuralTag(format=fmt)
+        return structural_tag(self.tools, self.tool_choice, self.parallel_tool_calls, self.family)
 
+    def tool_parser(self):
+        """A lanner.tool_formats.ToolCallParser for this request's output: its family, its tools."""
+        from lanner.tool_formats import ToolCallParser
 
-def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+        return ToolCallParser(self.tools, self.family, self.parallel_tool_calls)
 
 
 def check_schema(schema, where: str):

@@ -17,6 +17,7 @@ _STRUCTURAL_KEYS = frozenset({"role", "type"})
 class Tokenizer:
     def __init__(self, source: ModelSource, eos_token_ids: list[int] = (), architecture: str | None = None):
         self.hf = load_tokenizer(source, architecture)
+        self.architecture = architecture  # (lanner.tool_formats.family_of falls back on it)
         eos = set(eos_token_ids)
         if self.hf.eos_token_id is not None:
             eos.add(self.hf.eos_token_id)

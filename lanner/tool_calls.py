@@ -1,15 +1,16 @@
-"""Tool calling in the Hermes / Qwen2.5 format: the chat template for models whose own has no tool section, the
+"""Tool calling: the chat template for models whose own has no tool section (the Hermes / Qwen2.5 layout), the
 OpenAI request fields -> a StructuredOutput, and model text -> OpenAI tool_calls.
 
-The model writes each call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; tool results go
-back as `<tool_response>` blocks in a user turn, as Qwen2.5 and SmolLM2-1.7B do.
+Lanner's template asks for `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, with tool results
+back as `<tool_response>` blocks in a user turn, as Qwen2.5 and SmolLM2-1.7B do. What models actually write, per
+family, is lanner.tool_formats': `call_parser` / `parse_tool_calls` are the one way from text to calls.
 """
 from __future__ import annotations
 
 import json
-import uuid
 
-from lanner.structured import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, FieldError, StructuredOutput
+from lanner.structured import FieldError, StructuredOutput
+from lanner.tool_formats import ToolCallParser, family_of
 
 # ChatML with a tool section (Qwen2.5's layout). Used for models whose own template cannot render tools.
 TOOL_CHAT_TEMPLATE = """\
@@ -77,9 +78,9 @@ def check_history(messages: list[dict]):
 
 def structured_output(tools: list[dict] | None = None, tool_choice: str | dict | None = None,
                       parallel_tool_calls: bool | None = None,
-                      response_format: dict | None = None) -> StructuredOutput | None:
-    """OpenAI request fields -> the constraint (None: free text). tool_choice "none" leaves the output free.
-    Raises FieldError."""
+                      response_format: dict | None = None, family: str = "hermes") -> StructuredOutput | None:
+    """OpenAI request fields -> the constraint (None: free text). tool_choice "none" leaves the output free;
+    family is the tool-call format the model writes (lanner.tool_formats). Raises FieldError."""
     tools = tools or []
     choice = "auto" if tool_choice is None else tool_choice
     if isinstance(choice, dict):
@@ -101,7 +102,7 @@ def structured_output(tools: list[dict] | None = None, tool_choice: str | dict |
             raise FieldError("response_format: cannot be combined with a required or named tool_choice")
         if kind == "text":
             return StructuredOutput(tools=tools, tool_choice=choice, parallel_tool_calls=parallel_tool_calls
-                                    is not False)
+                                    is not False, family=family)
     if kind == "json_object":
         return StructuredOutput(json_object=True)
     if kind == "json_schema":
@@ -112,74 +113,22 @@ def structured_output(tools: list[dict] | None = None, tool_choice: str | dict |
     return None
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, structured: StructuredOutput | None = None,
+                     tools: list[dict] | None = None) -> tuple[str | None, list[dict]]:
     """Model output -> (the text outside the calls, stripped, or None; OpenAI tool_calls)."""
-    content, calls = ToolCallStream().feed(text, final=True)
+    content, calls = call_parser(structured, tools).feed(text, final=True)
     return content or None, calls
 
 
-class ToolCallStream:
-    """Splits streamed model text into content and complete tool calls. Text that could still be the start of
-    a call is held back, and so is whitespace at either end of the content, so the concatenated content deltas
-    equal what parse_tool_calls returns for the whole text. A block that is not a JSON call object is content."""
-
-    def __init__(self):
-        self.buf = ""  # text not yet classified
-        self.ws = ""  # whitespace held until more content follows it
-        self.started = False  # some content was sent (leading whitespace is dropped before it)
-
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[dict]]:
-        """-> (content delta, calls completed by this delta)."""
-        self.buf += delta
-        content, calls = [], []
-        while True:
-            at = self.buf.find(TOOL_CALL_OPEN)
-            if at < 0:
-                keep = 0 if final else _partial_suffix(self.buf, TOOL_CALL_OPEN)
-                content.append(self.buf[: len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep :]
-                break
-            end = self.buf.find(TOOL_CALL_CLOSE, at)
-            if end < 0:
-                if final:  # an unfinished call (length): plain text
-                    content.append(self.buf)
-                    self.buf = ""
-                break
-            block = self.buf[at : end + len(TOOL_CALL_CLOSE)]
-            call = _call(block[len(TOOL_CALL_OPEN) : -len(TOOL_CALL_CLOSE)])
-            content.append(self.buf[:at] if call else self.buf[:at] + block)
-            if call:
-                calls.append(call)
-            self.buf = self.buf[end + len(TOOL_CALL_CLOSE) :]
-        return self._content("".join(content), final), calls
-
-    def _content(self, text: str, final: bool) -> str:
-        text = self.ws + text
-        if not self.started:
-            text = text.lstrip()
-        body = text.rstrip()
-        self.ws = "" if final else text[len(body) :]
-        self.started = self.started or bool(body)
-        return body
+def call_parser(structured: StructuredOutput | None, tools: list[dict] | None = None) -> ToolCallParser:
+    """The parser of a request's output: its constraint's family, tools and parallel_tool_calls when it constrains
+    tools; else (a response_format beside tool_choice auto) the hermes forms and the given tools."""
+    if structured is not None and structured.tools:
+        return structured.tool_parser()
+    return ToolCallParser(tools)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of marker."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def _call(body: str) -> dict | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}))}}
+ToolCallStream = ToolCallParser  # (its earlier name)
 
 
 def prepare_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
@@ -189,7 +138,9 @@ def prepare_chat(tokenizer, messages: list[dict], tools: list[dict] | None = Non
     tool_choice "none" the tools stay out of the prompt, so the model is not invited to call them.
     Raises FieldError."""
     check_history(messages)
-    structured = structured_output(tools, tool_choice, parallel_tool_calls, response_format)
     shown = None if tool_choice == "none" else tools or None
     template = template_for(tokenizer.hf.chat_template, messages, shown)
+    # the calls come in the form the rendered template asks for
+    family = family_of(template or tokenizer.hf.chat_template, getattr(tokenizer, "architecture", None))
+    structured = structured_output(tools, tool_choice, parallel_tool_calls, response_format, family)
     return tokenizer.apply_chat_template(messages, tools=shown, chat_template=template), structured

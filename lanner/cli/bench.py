@@ -23,17 +23,18 @@ def add_bench(sub):
         sessions,
         structured,
         throughput,
+        tools,
     )
 
     p = new_parser(sub, "bench", "Measure latency and throughput.",
                    "Measure Lanner's speed. Each benchmark prints a markdown table and writes a JSON file and "
                    "a PNG chart.")
     bench = p.add_subparsers(dest="benchmark",
-                             metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory,structured,quant,learn}",
+                             metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory,structured,quant,learn,tools}",
                              required=True)
     for module, name in ((latency, "latency"), (throughput, "throughput"), (replay, "replay"), (fixed, "fixed"),
                          (sessions, "make-sessions"), (kv, "kv"), (memory, "memory"), (structured, "structured"),
-                         (quant, "quant"), (learn, "learn")):
+                         (quant, "quant"), (learn, "learn"), (tools, "tools")):
         b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
         module.add_arguments(b)
         sweep = name in ("latency", "memory")  # these compare tensor-parallel sizes: --tp 1,2

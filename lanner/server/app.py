@@ -328,7 +328,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             out = await finish(request, first, stream)
             if out is None:
                 return Response(status_code=499)  # the client is gone; nobody reads this
-            msg, reason = tool_wire.message(body, out)
+            msg, reason = tool_wire.message(body, out, params.structured)
             return ChatCompletionResponse(
                 id=rid, created=created, model=engine.model_name, usage=_usage(out),
                 choices=[ChatChoice(message=msg, logprobs=chat_logprobs(out.logprobs), finish_reason=reason)])
@@ -337,7 +337,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             return _sse(ChatCompletionChunk(id=rid, created=created, model=engine.model_name, choices=choices,
                                             usage=usage))
 
-        calls = tool_wire.StreamedCalls() if tool_wire.calls_tools(body) else None
+        calls = tool_wire.StreamedCalls(params.structured, body) if tool_wire.calls_tools(body) else None
 
         async def events():
             yield chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant", content=""))])

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from lanner.engine.request import RequestOutput
 from lanner.structured import FieldError
-from lanner.tool_calls import ToolCallStream, prepare_chat
+from lanner.tool_calls import call_parser, prepare_chat
 
 
 class _Model(BaseModel):
@@ -120,21 +120,30 @@ def calls_tools(body) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
-def message(body, out: RequestOutput) -> tuple[dict, str | None]:
-    """-> (the assistant message, the finish reason): "tool_calls" when the model called and then stopped."""
+def message(body, out: RequestOutput, structured=None) -> tuple[dict, str | None]:
+    """-> (the assistant message, the finish reason): "tool_calls" whenever the model made calls. structured:
+    the request's StructuredOutput (its tool-call family and tools)."""
     if not calls_tools(body):
         return {"content": out.text}, out.finish_reason
-    content, calls = ToolCallStream().feed(out.text, final=True)
-    reason = "tool_calls" if calls and out.finish_reason == "stop" else out.finish_reason
-    return {"content": content or None, "tool_calls": calls or None}, reason
+    content, calls = call_parser(structured, _tools(body)).feed(out.text, final=True)
+    return {"content": content or None, "tool_calls": calls or None}, finish_reason(out.finish_reason, bool(calls))
+
+
+def finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's: "tool_calls" when calls were made, also when max_tokens cut text after them."""
+    return "tool_calls" if called and reason in ("stop", "length") else reason
+
+
+def _tools(body) -> list[dict] | None:
+    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
 
 
 class StreamedCalls:
     """Per stream: turns text deltas into (content delta, delta.tool_calls) as OpenAI streams them: each call
     opens with a chunk carrying its index, id and name (arguments ""), then one with its arguments."""
 
-    def __init__(self):
-        self.parser = ToolCallStream()
+    def __init__(self, structured=None, body=None):
+        self.parser = call_parser(structured, _tools(body) if body is not None else None)
         self.count = 0
 
     def feed(self, delta_text: str, final: bool) -> tuple[str, list[list[DeltaToolCall]]]:
@@ -149,4 +158,4 @@ class StreamedCalls:
         return content, deltas
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.count and reason == "stop" else reason
+        return finish_reason(reason, bool(self.count))
