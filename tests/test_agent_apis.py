@@ -155,7 +155,8 @@ def test_anthropic_tool_round_trip_streamed_equals_non_streamed(srv):
 
 
 def test_anthropic_stop_sequence(srv):
-    kw = dict(model=srv.model, max_tokens=12, extra_body={"temperature": 0}, messages=[{"role": "user", "content": "Say hello."}])
+    kw = dict(model=srv.model, max_tokens=12, extra_body={"temperature": 0},
+              messages=[{"role": "user", "content": "Say hello."}])
     text = srv.anthropic.messages.create(**kw).content[0].text
     word = text.split()[min(2, len(text.split()) - 1)]
     r = srv.anthropic.messages.create(stop_sequences=[word], **kw)

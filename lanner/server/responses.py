@@ -336,7 +336,10 @@ def register(app, path: ChatPath):
         history = [] if body.previous_response_id is None else \
             lookup(body.previous_response_id, "previous_response_id")[1]
         items = history + parse_items(body.input)
-        chat = chat_request(chat_fields(body, chat_messages(body.instructions, items, len(history))), "input")
+        messages = chat_messages(body.instructions, items, len(history))
+        if not messages:
+            raise APIError(400, "input: holds no message (and there are no instructions)", "input")
+        chat = chat_request(chat_fields(body, messages), "input")
         rid = f"resp_{uuid.uuid4().hex}"
         started = await path.open(chat, request, rid, RENAME)
         if started is None:
