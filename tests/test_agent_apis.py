@@ -33,10 +33,6 @@ def srv(llm32):
     engine.shutdown()
 
 
-def events_of(stream) -> list:
-    return list(stream)
-
-
 # ---------------------------------------------------------------------------------------------- Responses
 @pytest.mark.parametrize("tools", [False, True])
 def test_responses_streamed_equals_non_streamed(srv, tools):
@@ -44,7 +40,7 @@ def test_responses_streamed_equals_non_streamed(srv, tools):
     if tools:
         kw.update(tools=[CALC], tool_choice="required", parallel_tool_calls=False)
     whole = srv.openai.responses.create(**kw)
-    events = events_of(srv.openai.responses.create(stream=True, **kw))
+    events = list(srv.openai.responses.create(stream=True, **kw))
     kinds = [e.type for e in events]
     done = events[-1].response
     assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
