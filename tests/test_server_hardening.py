@@ -235,11 +235,14 @@ def test_completions_max_tokens_null_means_16(srv):
 def test_openapi_spec_matches_the_server(srv):
     spec = httpx.get(srv.base + "/openapi.json").json()
     assert '"422"' not in json.dumps(spec)
-    for path in (CHAT, COMPLETIONS):
+    for path in (CHAT, COMPLETIONS, "/v1/responses", "/v1/messages"):  # the last two: issue 43
         responses = spec["paths"][path]["post"]["responses"]
         assert {"200", "400", "404", "413", "503"} <= set(responses), responses
         assert "Retry-After" in responses["503"]["headers"]
         assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert spec["paths"]["/v1/messages"]["post"]["responses"]["400"]["content"]["application/json"]["schema"] == \
+        {"$ref": "#/components/schemas/AnthropicError"}  # Anthropic's error shape on its route
+    assert {"/v1/responses/{response_id}", "/v1/messages/count_tokens"} <= set(spec["paths"])
     assert set(spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
     props = spec["components"]["schemas"]["CompletionRequest"]["properties"]
     assert "echo" not in props and "suffix" not in props and "logit_bias" in props
@@ -353,6 +356,7 @@ FUZZ_CHECKS = ("not_a_server_error,status_code_conformance,content_type_conforma
 
 
 def test_schemathesis_finds_no_5xx_and_no_conformance_failures(srv, monkeypatch, tmp_path):
+    # covers every route in the spec: chat, completions, Responses and Messages (issue 43) among them.
     # a short context bounds what an accepted fuzz case can generate (the chat template alone is ~31 tokens),
     # so the run fits the CI budget; --max-time bounds the three phases together
     monkeypatch.setattr(srv.engine.engine, "max_model_len", 40)

@@ -33,7 +33,7 @@ from lanner.engine.async_engine import (
 from lanner.engine.llm_engine import LLMEngine, RequestError
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
-from lanner.server import tool_wire
+from lanner.server import chat_apis, tool_wire
 from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 from lanner.server.http import (
     RETRY_AFTER_S,
@@ -303,8 +303,9 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
         return ModelList(data=[ModelCard(id=engine.model_name, created=int(time.time()),
                                          max_model_len=engine.max_model_len)])
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def prepare_chat(body: ChatCompletionRequest) -> tuple[SamplingParams, list[int]]:
+        """A chat request -> (sampling params with its tool / format constraint, prompt ids). The Responses and
+        Messages routes convert their bodies to a ChatCompletionRequest and come through here too."""
         check_common(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs: requires logprobs=true", "top_logprobs")
@@ -318,6 +319,13 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             raise APIError(400, str(e), e.param) from None
         except Exception as e:  # noqa: BLE001 - no template, or the template itself rejects the conversation
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
+        return params, prompt_ids
+
+    chat_apis.register(app, chat_apis.ChatPath(engine, prepare_chat, start, finish, outputs, engine_error))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        params, prompt_ids = await prepare_chat(body)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         started = await start(request, params, None, prompt_ids, rid, "messages")
         if started is None:

@@ -60,17 +60,22 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 
 class ApiKeyMiddleware:
     """Plain ASGI (not BaseHTTPMiddleware, which interferes with streaming and disconnect detection); runs
-    before body parsing, so an unauthenticated request never reaches validation. The scheme is matched
-    case-insensitively (RFC 9110), the key exactly."""
+    before body parsing, so an unauthenticated request never reaches validation. The key comes as
+    `Authorization: Bearer KEY` (the scheme matched case-insensitively, RFC 9110) or `x-api-key: KEY`."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            got = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            got = headers.get(b"authorization", b"")
             scheme, _, key = got.strip().partition(b" ")
-            if not (scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), self.expected)):
+            ok = scheme.lower() == b"bearer" and secrets.compare_digest(key.strip(), self.expected)
+            if not ok and b"x-api-key" in headers:  # Anthropic's clients send the key this way
+                got = headers[b"x-api-key"]
+                ok = secrets.compare_digest(got.strip(), self.expected)
+            if not ok:
                 msg = "missing API key" if not got else "incorrect API key"
                 await error_json(401, msg, code="invalid_api_key")(scope, receive, send)
                 return
