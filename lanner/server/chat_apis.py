@@ -75,6 +75,15 @@ def renamer(rules: list[tuple[str, str]]) -> Callable[[str], str]:
 
 
 @dataclass
+class Started:
+    """A submitted request: the engine's stream, its first output and the tool / format constraint (which names
+    the model family's call format for the parser)."""
+    stream: Any
+    first: Any
+    structured: Any
+
+
+@dataclass
 class ChatPath:
     engine: Any  # AsyncEngine
     prepare: Callable  # async ChatCompletionRequest -> (SamplingParams, prompt ids); raises APIError
@@ -90,28 +99,30 @@ class ChatPath:
         except APIError as e:
             raise _renamed(e, rename) from None
 
-    async def open(self, body: ChatCompletionRequest, request: Request, rid: str, rename: Callable[[str], str]):
-        """Prepares and submits; -> (stream, first output), or None if the client left meanwhile."""
+    async def open(self, body: ChatCompletionRequest, request: Request, rid: str,
+                   rename: Callable[[str], str]) -> Started | None:
+        """Prepares and submits; None if the client left meanwhile."""
         params, prompt_ids = await self.prompt(body, rename)
         try:
-            return await self.start(request, params, None, prompt_ids, rid, "messages")
+            started = await self.start(request, params, None, prompt_ids, rid, "messages")
         except APIError as e:
             raise _renamed(e, rename) from None
+        return None if started is None else Started(*started, params.structured)
 
-    async def turn(self, body: ChatCompletionRequest, request: Request, first, stream) -> Turn | None:
+    async def turn(self, body: ChatCompletionRequest, request: Request, started: Started) -> Turn | None:
         """The whole answer of a non-streaming request, parsed as the chat route parses it; None if the client
         left."""
-        out = await self.finish(request, first, stream)
+        out = await self.finish(request, started.first, started.stream)
         if out is None:
             return None
-        msg, reason = tool_wire.message(body, out)
+        msg, reason = tool_wire.message(body, out, started.structured)
         return Turn(msg.get("content") or "", [_call(c) for c in msg.get("tool_calls") or []], reason, out)
 
-    async def events(self, body: ChatCompletionRequest, first, stream) -> AsyncIterator[Event]:
+    async def events(self, body: ChatCompletionRequest, started: Started) -> AsyncIterator[Event]:
         """The streamed answer as neutral events, parsed as the chat route's stream is."""
-        calls = tool_wire.StreamedCalls() if tool_wire.calls_tools(body) else None
+        calls = tool_wire.StreamedCalls(started.structured, body) if tool_wire.calls_tools(body) else None
         content, made = [], {}
-        async for out in self.outputs(first, stream):
+        async for out in self.outputs(started.first, started.stream):
             if out.finish_reason == "error":
                 yield ("error", self.engine_error(out))
                 return

@@ -281,11 +281,10 @@ def register(app, path: ChatPath):
         started = await path.open(chat, request, mid, RENAME)
         if started is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        stream, first = started
         blocks = Blocks()
 
         if not body.stream:
-            turn = await path.turn(chat, request, first, stream)
+            turn = await path.turn(chat, request, started)
             if turn is None:
                 return Response(status_code=499)
             for ev in turn.events():
@@ -297,11 +296,11 @@ def register(app, path: ChatPath):
 
         async def events():
             start = MessageObject(id=mid, model=path.engine.model_name, content=[], stop_reason=None,
-                                  stop_sequence=None, usage=message_usage(first))
+                                  stop_sequence=None, usage=message_usage(started.first))
             start.usage.output_tokens = 0
             yield _sse("message_start", {"message": start.model_dump()})
             yield _sse("ping", {})
-            async for ev in path.events(chat, first, stream):
+            async for ev in path.events(chat, started):
                 if ev[0] == "error":
                     yield _sse("error", {"error": {"type": "api_error", "message": ev[1].message}})
                     return

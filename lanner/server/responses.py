@@ -344,7 +344,6 @@ def register(app, path: ChatPath):
         started = await path.open(chat, request, rid, RENAME)
         if started is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
-        stream, first = started
         tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else \
             body.tool_choice or "auto"
         fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format \
@@ -358,7 +357,7 @@ def register(app, path: ChatPath):
             metadata=body.metadata or {}))
 
         if not body.stream:
-            turn = await path.turn(chat, request, first, stream)
+            turn = await path.turn(chat, request, started)
             if turn is None:
                 return Response(status_code=499)
             for ev in turn.events():
@@ -371,7 +370,7 @@ def register(app, path: ChatPath):
         async def events():
             yield builder.event("response.created", response=builder.resp.model_dump())
             yield builder.event("response.in_progress", response=builder.resp.model_dump())
-            async for ev in path.events(chat, first, stream):
+            async for ev in path.events(chat, started):
                 if ev[0] == "error":
                     e = ev[1]
                     yield builder.event("error", code=e.code, message=e.message, param=e.param)
