@@ -68,6 +68,7 @@ def test_qwen_coder_by_name():
     llm = LLM(model="qwen2.5-coder-1.5b", max_model_len=1024)
     eng = llm.engine
     assert eng.weights == "stored" and eng.model_name == QWEN.served_name and eng.config.spec == "suffix"
+    assert eng.plugins.plugins[0].act == "q8"  # act="auto" from 1B parameters
     big = [n for n, p in eng.model.named_parameters() if p.numel() > 1 << 16]
     assert not big, big  # every matrix in its blocks: no dense weight left
     assert any(m.fmt == "u6k" for m in eng.model.layers[0].self_attn.qkv_proj.modules() if isinstance(m, QuantLinear))

@@ -14,7 +14,7 @@ import time
 import torch
 
 from lanner import LLM
-from lanner.models.quant import QuantLinear
+from lanner.models.quant import STORED_MODULES
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--threads", type=int, default=1)
@@ -30,11 +30,11 @@ configs = list(itertools.product(ints(args.prefetch), ints(args.block_rows)))
 torch.set_num_threads(args.threads)
 llm = LLM(model=args.model, weights="stored", dtype="float32", plugin="lowlat",
           plugin_options={"lowlat": {"threads": args.threads, "act": args.act, "isa": args.isa}},
-          spec=None, kv_cache_memory="0.05GiB")
+          spec=None, kv_cache_memory="0.2GiB", max_model_len=512)
 plugin = llm.engine.plugins.plugins[0]
 kernel, ext = plugin.kernel, plugin.extension()
 linears = [(m.packed(), m.out_features, m.in_features) for n, m in llm.engine.kv.runner.model.named_modules()
-           if isinstance(m, QuantLinear) and "lm_head" not in n and "embed" not in n]
+           if isinstance(m, STORED_MODULES) and "lm_head" not in n and "embed" not in n and ".runs." not in n]
 g = torch.Generator().manual_seed(0)
 rows_list = ints(args.rows)
 ms = {}

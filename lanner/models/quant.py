@@ -366,6 +366,12 @@ class MixedQuantLinear(nn.Module):
 STORED_MODULES = (QuantLinear, MixedQuantLinear)  # modules whose weights are GGUF blocks (`packed()`)
 
 
+def parameter_count(model: nn.Module) -> int:
+    """The model's weights as elements: stored blocks count as the matrices they hold."""
+    stored = sum(m.out_features * m.in_features for m in model.modules() if isinstance(m, QuantLinear))
+    return stored + sum(p.numel() for p in model.parameters())
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers (distinct storages)."""
     seen, total = set(), 0

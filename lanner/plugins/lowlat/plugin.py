@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from lanner.models.config import SUPPORTED_ARCHITECTURES
-from lanner.models.quant import QuantLinear
+from lanner.models.quant import QuantLinear, parameter_count
 from lanner.plugins.base import (
     Hardware,
     Plugin,
@@ -59,11 +59,12 @@ class LowLatPlugin(Plugin):
         the process group), "shm" (the segment or a build error) or "group" (torch.distributed, gloo);
     timeout_s (tensor parallelism): the longest wait for another rank inside a step (default: half the engine's
         tp_timeout_s, at most 5 s); on timeout every rank aborts the step and the engine reruns it without lowlat.
-    act (GGUF weights kept as stored, EngineConfig.weights="stored"): "q16" (default: activations quantized per
-        block of 32 to 16-bit integers, 3e-5 of the block's largest value; integer dot products, text as with
-        float activations), "q8" (8 bits per block, as llama.cpp does them; the fastest, but on the bundled
-        135M model greedy answers change visibly) or "float" (float32 activations against the exact dequantized
-        weights);
+    act (GGUF weights kept as stored, EngineConfig.weights="stored"): "auto" (default: q8 from 1B parameters, q16
+        below), "q16" (activations quantized per block of 32 to 16-bit integers, 3e-5 of the block's largest
+        value; integer dot products, text as with float activations), "q8" (8 bits per block, as llama.cpp does
+        them: half q16's dot products, so verify rows cost far less; on the bundled 135M model greedy answers
+        change visibly, on Qwen2.5-Coder-1.5B they part from llama.cpp's where q16's do, at small top-2 gaps) or
+        "float" (float32 activations against the exact dequantized weights);
     invariant: batch-invariant GEMVs and attention (a row's bits do not depend on the other rows of its step, so
         speculative greedy output equals plain greedy output in every dtype); default on. Off: the GEMVs pick
         their accumulator chains per block size and attention mirrors PyTorch's exp variants.
@@ -76,6 +77,9 @@ class LowLatPlugin(Plugin):
     ROPE_ROWS = 4096  # Gemma's rotary tables start this long and double as positions grow (its model keeps none)
     MOE_ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM")
     ACT_MODES = ("float", "q8", "q16")  # index = quant.h's QAct
+    # act="auto": q8 from this many parameters (results/bench_quant_qwen.json: on the 1.5B model q8 decodes 1.3x
+    # q16 and parts from llama.cpp's greedy tokens where q16 does; on the 135M model q8 changes answers)
+    Q8_FROM = 1_000_000_000
     OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
                                "isa": str, "allreduce": str, "timeout_s": (int, float), "act": str,
                                "invariant": bool}
@@ -95,10 +99,10 @@ class LowLatPlugin(Plugin):
         self.isa = options.get("isa", "auto")
         self.allreduce = options.get("allreduce", "auto")
         self.timeout_s = options.get("timeout_s")
-        self.act = options.get("act", "q16")
+        self.act = options.get("act", "auto")
         self.invariant = options.get("invariant")
-        if self.act not in self.ACT_MODES:
-            raise ValueError(f"plugin lowlat: act must be one of {list(self.ACT_MODES)}, got {self.act!r}")
+        if self.act not in ("auto", *self.ACT_MODES):
+            raise ValueError(f"plugin lowlat: act must be 'auto' or one of {list(self.ACT_MODES)}, got {self.act!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError("plugin lowlat: threads must be >= 1")
         if not 1 <= self.max_rows <= 256:
@@ -198,6 +202,8 @@ class LowLatPlugin(Plugin):
 
             self.threads_used = agree_min(self.threads_used)  # the ranks split the hidden columns alike
         self.stored = any(isinstance(m, QuantLinear) for m in model.modules())
+        if self.act == "auto":  # the target's size picks; a draft model built later runs the same mode
+            self.act = "q8" if self.stored and parameter_count(model) >= self.Q8_FROM else "q16"
         if self.stored and hardware.tp_size > 1:
             raise PluginMismatch("lowlat: GGUF weights kept as stored run on one rank only")
         if self.options_prefill_rows is None:
