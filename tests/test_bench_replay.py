@@ -146,6 +146,30 @@ def test_generator_builds_valid_agent_sessions(tokenizer, tmp_path):
             assert roles == ["user", "assistant"] * len(assistant)
 
 
+def test_source_sessions_read_and_edit_real_modules(tokenizer):
+    """--source: each session reads a real installed module (the tool turn is its head, on whole lines) and its
+    recorded answers are three of its own functions, the first given a docstring; histories fit the limit."""
+    import ast
+    import sysconfig
+    from pathlib import Path
+
+    made = sessions.make_sessions(tokenizer, 0, 0, seed=1, max_prompt_tokens=4096, source=2, max_file_tokens=2500)
+    assert len(made) == 2 and len({s["id"] for s in made}) == 2
+    for s in made:
+        assert [t["role"] for t in s["turns"]] == ["system", "user", "assistant", "tool", "assistant", "user",
+                                                   "assistant", "user", "assistant"]
+        path = Path(sysconfig.get_paths()["purelib"]) / s["id"].removeprefix("source-")
+        text, shown = path.read_text(), s["turns"][3]["content"]
+        assert text.startswith(shown) and shown.endswith("\n") and len(shown) > 1000
+        answers = [t["content"].removeprefix("```python\n").removesuffix("```") for t in s["turns"][4::2]]
+        assert answers[1] in shown and answers[2] in shown  # the functions as the file has them
+        assert ast.get_docstring(ast.parse(answers[0]).body[0])  # the docstring added to a function without
+        lines = answers[0].splitlines(keepends=True)
+        assert [i for i in range(len(lines)) if "".join(lines[:i] + lines[i + 1:]) in shown] == [
+            next(i for i, line in enumerate(lines) if '"""' in line)]
+        assert all(len(ids) <= 4096 for ids, _, _ in sessions.assistant_prompts(s, tokenizer))
+
+
 # ------------------------------------------------------------------ real runs
 
 @pytest.fixture(scope="module")
@@ -223,6 +247,8 @@ def test_spec_systems_name_trees_and_the_peer():
         compare.systems({"spec_tree": 40}, None, "suffix-tree")
     got = dict(compare.systems({"spec": "auto", "spec_tree": 0}, None, "none,draft-tree,llama.cpp"))
     assert (got["draft-tree"]["spec"], got["draft-tree"]["draft"]) == ("draft", "default")
-    assert got["llama.cpp"] == {"peer": "llama.cpp"}
+    assert got["llama.cpp"] == {"peer": "llama.cpp", "flash_attn": False}
+    assert dict(compare.systems({}, None, "none,llama.cpp-fa"))["llama.cpp-fa"] == {"peer": "llama.cpp",
+                                                                                     "flash_attn": True}
     with pytest.raises(SystemExit, match="llama.cpp cannot come first"):
         compare.systems({}, None, "llama.cpp,none")

@@ -23,6 +23,7 @@ from lanner.bench import report
 from lanner.bench.llamacpp import available as peer_missing
 
 PEER = "llama.cpp"  # --systems name of the llama.cpp peer (lanner.bench.llamacpp, its own process)
+PEERS = {PEER: False, "llama.cpp-fa": True}  # peer system -> llama.cpp's flash attention (llama-cpp-python: off)
 
 
 @dataclass
@@ -44,7 +45,8 @@ def add_arguments(p, name: str, concurrency: str):
                         "hybrid-tree, llama.cpp (e.g. 'none,ngram,suffix,draft,hybrid'); 'draft' and 'hybrid' use "
                         "--draft or the shipped head; '-tree': draft trees of --spec-tree nodes (default 12; "
                         "hybrid-tree: the suffix index's and the head's); 'llama.cpp': llama-cpp-python (make peers) "
-                        "on the same GGUF in its own process, one stream, lowlat's thread count")
+                        "on the same GGUF in its own process, one stream, lowlat's thread count; 'llama.cpp-fa': "
+                        "the same with llama.cpp's flash attention on")
     p.add_argument("--rounds", type=int, default=1,
                    help="run the systems this many times, alternating, and report each number as its median over "
                         "the rounds (each round's own numbers and ratios are kept in the JSON): on a shared, noisy "
@@ -132,11 +134,11 @@ def systems(engine_options: dict, compare: str | None, spec_systems: str | None 
             sys.exit("lanner: error: --systems and --compare: give one of them")
         out = []
         for name in (n.strip() for n in spec_systems.split(",")):
-            if name == PEER:
+            if name in PEERS:
                 if not out:
-                    sys.exit(f"lanner: error: --systems: {PEER} cannot come first (the workload is built on the "
+                    sys.exit(f"lanner: error: --systems: {name} cannot come first (the workload is built on the "
                              "first system's engine)")
-                out.append((name, {"peer": PEER}))
+                out.append((name, {"peer": PEER, "flash_attn": PEERS[name]}))
                 continue
             spec = None if name == "none" else name.removesuffix("-tree")
             draft = (engine_options.get("draft") or "default") if spec in ("draft", "hybrid") else None
@@ -166,7 +168,7 @@ def systems(engine_options: dict, compare: str | None, spec_systems: str | None 
 
 
 def run_peer_sessions(model_path: str, sessions: list[list[Turn]], warm: list[list[Turn]], threads: int,
-                      desc: str) -> tuple[list[dict], float]:
+                      desc: str, flash_attn: bool = False) -> tuple[list[dict], float]:
     """llama.cpp (its own process, lanner.bench.llamacpp) over the same turns one at a time, keeping the shared
     history's KV between turns. -> (records as run_sessions gives them, wall seconds)."""
     from lanner.bench.llamacpp import run_peer
@@ -174,7 +176,7 @@ def run_peer_sessions(model_path: str, sessions: list[list[Turn]], warm: list[li
     turns = [t for s in sessions for t in s]
     print(f"{desc}: {len(turns)} turns in llama.cpp's process", file=sys.stderr, flush=True)
     runs = run_peer(model_path, [t.prompt_ids for t in turns], warm[0][0].prompt_ids, [t.max_tokens for t in turns],
-                    threads)
+                    threads, flash_attn=flash_attn)
     records = [{"session": t.session, "turn": t.index, "prompt_tokens": len(t.prompt_ids), "cached_prompt_tokens": 0,
                 "max_tokens": t.max_tokens, "output_tokens": len(r["token_ids"]), "ttft_s": r["ttft_s"],
                 "speed_tok_s": (len(r["token_ids"]) - 1) / (r["total_s"] - r["ttft_s"])
@@ -232,11 +234,13 @@ def run_benchmark(name: str, args, engine_options: dict, workload, warmup, title
             tokens[sys_name] = {}
             for c in levels[:1]:  # one stream: llama.cpp serves one sequence at a time here
                 records, wall = run_peer_sessions(meta["model_path"], work[c], warm, threads,
-                                                  f"{sys_name} c={c}" + (f" round {rnd + 1}" if rounds > 1 else ""))
+                                                  f"{sys_name} c={c}" + (f" round {rnd + 1}" if rounds > 1 else ""),
+                                                  options["flash_attn"])
                 tokens[sys_name][c] = {(r["session"], r["turn"]): r["token_ids"] for r in records}
                 rows.append(summarize(sys_name, c, records, wall) | {"round": rnd})
             if rnd == 0:
-                infos.append({"name": sys_name, "peer": PEER, "threads": threads, "concurrency": levels[:1]})
+                infos.append({"name": sys_name, "peer": PEER, "flash_attn": options["flash_attn"], "threads": threads,
+                              "concurrency": levels[:1]})
             continue
         llm = _load(sys_name, options)
         engine = llm.engine

@@ -27,14 +27,15 @@ def available() -> str | None:
 
 
 def run_peer(model_path: str, prompt_ids: list[list[int]], warm_ids: list[int], max_tokens: int | list[int],
-             threads: int, device: str = "cpu", timeout_s: float = 1800, f32_kv: bool = False) -> list[dict]:
+             threads: int, device: str = "cpu", timeout_s: float = 1800, f32_kv: bool = False,
+             flash_attn: bool = False) -> list[dict]:
     """max_tokens: one for all prompts or one per prompt. llama-cpp-python keeps the KV of the longest prefix a
     prompt shares with the previous one (replayed sessions: the history), as Lanner's prefix cache does.
     f32_kv: a float32 KV cache instead of llama.cpp's default float16 (how far llama.cpp's own greedy tokens move
-    with its KV precision)."""
+    with its KV precision). flash_attn: llama.cpp's flash attention (llama-cpp-python's default: off)."""
     job = {"model": model_path, "prompts": prompt_ids, "warm": warm_ids,
            "max_tokens": max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompt_ids),
-           "threads": threads, "gpu": device.startswith("cuda"), "f32_kv": f32_kv}
+           "threads": threads, "gpu": device.startswith("cuda"), "f32_kv": f32_kv, "flash_attn": flash_attn}
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run([sys.executable, "-m", "lanner.bench.llamacpp"], input=json.dumps(job), env=env,
                           capture_output=True, text=True, timeout=timeout_s, check=False)
@@ -52,7 +53,7 @@ def _main():
     job = json.loads(sys.stdin.read())
     n_ctx = max(len(ids) + n for ids, n in zip(job["prompts"] + [job["warm"]], job["max_tokens"] + [16])) + 8
     llm = Llama(model_path=job["model"], n_ctx=n_ctx, n_threads=job["threads"], n_threads_batch=job["threads"],
-                n_gpu_layers=-1 if job["gpu"] else 0, verbose=False,
+                n_gpu_layers=-1 if job["gpu"] else 0, verbose=False, flash_attn=job.get("flash_attn", False),
                 **({"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if job.get("f32_kv") else {}))
     n_vocab = llm.n_vocab()
 

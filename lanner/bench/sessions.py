@@ -343,10 +343,16 @@ def _finish(session: dict, tokenizer, max_prompt_tokens: int, max_session_tokens
 
 
 def make_sessions(tokenizer, humaneval: int, sharegpt: int, seed: int = 0, max_prompt_tokens: int = 1500,
-                  max_session_tokens: int | None = None, split_seed: int = 0) -> list[dict]:
-    """`humaneval` coding-agent and `sharegpt` chat sessions, alternating (coding first), chosen in a seeded
-    order; see the module docstring. Raises ValueError when the sources have too few usable items."""
+                  max_session_tokens: int | None = None, split_seed: int = 0, source: int = 0,
+                  max_file_tokens: int = 6000) -> list[dict]:
+    """`source` sessions over real source files (lanner.bench.source_sessions) first, then `humaneval`
+    coding-agent and `sharegpt` chat sessions, alternating (coding first), chosen in a seeded order; see the
+    module docstring. Raises ValueError when the sources have too few usable items."""
+    from lanner.bench.source_sessions import source_sessions
+
     rng = random.Random(seed)
+    out = source_sessions(tokenizer, source, seed, max_file_tokens,
+                          lambda s: _finish(s, tokenizer, max_prompt_tokens, max_session_tokens)) if source else []
     he, sg = [], []
     if humaneval:
         from lanner.train.data import humaneval_rows
@@ -373,7 +379,6 @@ def make_sessions(tokenizer, humaneval: int, sharegpt: int, seed: int = 0, max_p
     if len(he) < humaneval or len(sg) < sharegpt:
         raise ValueError(f"only {len(he)} HumanEval and {len(sg)} ShareGPT sessions fit the limits "
                          f"(asked for {humaneval} and {sharegpt})")
-    out = []
     for i in range(max(len(he), len(sg))):
         out += he[i : i + 1] + sg[i : i + 1]
     return out
@@ -385,6 +390,10 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="session file to write (JSONL)")
     p.add_argument("--humaneval", type=int, default=4, help="coding-agent sessions from HumanEval")
     p.add_argument("--sharegpt", type=int, default=4, help="chat sessions from held-out ShareGPT")
+    p.add_argument("--source", type=int, default=0,
+                   help="coding-agent sessions that read and edit real modules of installed packages "
+                        "(lanner.bench.source_sessions; give --max-prompt-tokens room for the files)")
+    p.add_argument("--max-file-tokens", type=int, default=6000, help="--source: a file is shown up to this many tokens")
     p.add_argument("--seed", type=int, default=0, help="which tasks and chats are picked, and their bugs")
     p.add_argument("--max-prompt-tokens", type=int, default=1500,
                    help="a session ends before an assistant turn whose prompt would be longer")
@@ -398,12 +407,12 @@ def run(args, engine_options: dict) -> dict:
     from lanner.models.loader import ModelSource
     from lanner.tokenizer import Tokenizer
 
-    if args.humaneval < 0 or args.sharegpt < 0 or args.humaneval + args.sharegpt == 0:
-        sys.exit("lanner: error: --humaneval and --sharegpt: expected counts >= 0, not both 0")
+    if min(args.humaneval, args.sharegpt, args.source) < 0 or args.humaneval + args.sharegpt + args.source == 0:
+        sys.exit("lanner: error: --humaneval, --sharegpt and --source: expected counts >= 0, not all 0")
     tokenizer = Tokenizer(ModelSource.resolve(engine_options["model"]))
     try:
         sessions = make_sessions(tokenizer, args.humaneval, args.sharegpt, args.seed, args.max_prompt_tokens,
-                                 args.max_session_tokens, args.split_seed)
+                                 args.max_session_tokens, args.split_seed, args.source, args.max_file_tokens)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")
     write_sessions(args.out, sessions)
