@@ -70,8 +70,8 @@ class EngineConfig:
     spec: str | None = option(
         "auto", "spec", "draft proposer: 'ngram' (prompt lookup), 'draft' (--draft head or model), 'suffix' (suffix "
         "index over the request and earlier outputs), 'hybrid' (suffix or draft head per request and step), "
-        "'none'; 'auto': hybrid with the shipped head on the bundled model, draft when --draft is given, suffix "
-        "drafts for every other model",
+        "'none'; 'auto': hybrid with the shipped head on the bundled model, draft when --draft is given, and on "
+        "every other model the hybrid without a head (suffix drafts cut to the prefix that pays for its rows)",
         choices=["auto", *SPEC_KINDS, "none"])
     draft: str | None = option(None, "spec", "draft: 'default' or 'hass' (shipped heads), 'mtp' (the checkpoint's "
                                "MTP layer), a head folder (config.json + model.safetensors) or a smaller model "
@@ -155,14 +155,14 @@ class EngineConfig:
                 self.spec = "draft"
             else:
                 # suffix drafts need no trained head, so every model speculates (lossless either way)
-                self.spec, self.draft = ("hybrid", "default") if is_bundled_model(self.model) else ("suffix", None)
+                self.spec, self.draft = ("hybrid", "default") if is_bundled_model(self.model) else ("hybrid", None)
         elif self.spec == "none":
             self.spec = None
         if self.spec_tokens is None:
             self.spec_tokens = 5 if self.spec == "ngram" else 3
         if self.spec == "hybrid" and not self.draft and is_bundled_model(self.model):
             self.draft = "default"
-        if self.spec in ("draft", "hybrid") and not self.draft:
+        if self.spec == "draft" and not self.draft:
             raise ValueError(f"draft: spec={self.spec!r} needs a draft model path")
         if self.draft and self.spec not in ("draft", "hybrid"):
             raise ValueError(f"draft: {self.draft!r} is given but spec={self.spec!r} does not use it; drop one of them")

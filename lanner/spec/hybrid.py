@@ -1,5 +1,6 @@
 """Hybrid speculation: per request and per step, the suffix draft (or a prefix of it), the draft head's, or none,
-whichever is expected to emit the most tokens per unit of time.
+whichever is expected to emit the most tokens per unit of time. Without a head (a model none was trained for) it
+is suffix drafting that verifies only the prefix whose expected tokens pay for its rows.
 
 The suffix draft comes with each token's running probability under the index's frequencies (lanner.spec.suffix)
 and the length of the context it matched. How likely the target is to accept each token after the ones before it is
@@ -136,7 +137,7 @@ class HybridState:
 class HybridProposer(Proposer):
     name = "hybrid"
 
-    def __init__(self, suffix: SuffixProposer, head: Proposer, head_tokens: int):
+    def __init__(self, suffix: SuffixProposer, head: Proposer | None, head_tokens: int):
         self.suffix, self.head, self.head_tokens = suffix, head, head_tokens
         self.cost = StepCost()
         self.head_s: float | None = None  # moving mean of a head drafting call's seconds
@@ -147,10 +148,12 @@ class HybridProposer(Proposer):
         return HybridState(head=None if self.head is None else self.head.new_state())
 
     def restart(self, st, start):
-        self.head.restart(st.head, start)
+        if self.head is not None:
+            self.head.restart(st.head, start)
 
     def keep_features(self, st, rows):
-        self.head.keep_features(st.head, rows)
+        if self.head is not None:
+            self.head.keep_features(st.head, rows)
 
     def source(self, st) -> str:
         return st.source or self.name
@@ -187,7 +190,7 @@ class HybridProposer(Proposer):
             timed = r.params.seed is None or r.params.greedy
             rate, n, predicted = self.best_suffix(d, timed)
             expect = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
-            kh = min(k, self.head_tokens, draft_room(r))
+            kh = min(k, self.head_tokens, draft_room(r)) if self.head is not None else 0
             head_rate = (1 + expect) / (self.cost.ratio(1 + kh) + head_cost) if timed else 1 + expect
             if kh > 0 and head_rate > rate:
                 st.source = self.head.name
@@ -226,14 +229,15 @@ class HybridProposer(Proposer):
                 self.predicted = CALIB_DECAY * self.predicted + st.suffix_predicted
                 self.accepted = CALIB_DECAY * self.accepted + num_accepted
             return
-        if st.source != self.head.name:
+        if self.head is None or st.source != self.head.name:
             return
         self.head.after_verify(req, st.head, num_proposed, num_accepted, tokens_before)
         prev = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
         st.head_accepted = HEAD_DECAY * prev + (1 - HEAD_DECAY) * num_accepted
 
     def finish(self, req, st, completed):
-        self.head.finish(req, st.head, completed)
+        if self.head is not None:
+            self.head.finish(req, st.head, completed)
         self.suffix.finish(req, st.suffix, completed)
 
     def forget(self):
