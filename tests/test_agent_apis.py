@@ -235,3 +235,19 @@ def test_langchain_chat_anthropic_binds_tools(srv):
     history += [ai, ToolMessage(calc.invoke(call["args"]), tool_call_id=call["id"])]
     final = llm.bind_tools([calc]).invoke(history)  # the tool_use and its tool_result render
     assert final.content and final.response_metadata["stop_reason"] in ("end_turn", "max_tokens")
+
+
+def test_each_api_names_the_cache_session(srv, llm32):
+    """The session fields of each API, and the header on any route, reach the prefix cache's sessions; the first
+    given wins (header, prompt_cache_key, user, safety_identifier)."""
+    hi = [{"role": "user", "content": "Hi"}]
+    srv.openai.chat.completions.create(model=srv.model, messages=hi, max_tokens=2, user="u1",
+                                       extra_body={"prompt_cache_key": "chat-key"})
+    srv.openai.chat.completions.create(model=srv.model, messages=hi, max_tokens=2, user="u2",
+                                       extra_headers={"X-Session-Id": "header-session"})
+    srv.openai.responses.create(model=srv.model, input="Hi", max_output_tokens=2,
+                                extra_body={"safety_identifier": "responses-safety"})
+    srv.anthropic.messages.create(model=srv.model, max_tokens=2, messages=hi, metadata={"user_id": "anthropic-user"})
+    names = set(llm32.engine.kv.block_manager.sessions)
+    assert {"chat-key", "header-session", "responses-safety", "anthropic-user"} <= names
+    assert not {"u1", "u2"} & names
