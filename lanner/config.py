@@ -64,6 +64,8 @@ class EngineConfig:
     max_model_len: int | None = option(None, "cache", "context length cap (default: the model's)")
     enable_prefix_caching: bool = option(True, "cache", "do not reuse KV blocks of shared prefixes",
                                          flags=("--no-prefix-caching",))
+    session_idle_s: float = option(300.0, "cache", "seconds after its last request that a named session's cached "
+                                   "prefix stops being protected from eviction (docs/server.md, sessions)")
     window_kv: bool = option(True, "cache", "keep every layer's whole context, also on sliding-window layers "
                              "(Gemma 3; by default they keep only their window)", flags=("--no-window-kv",))
     # ---- speculative decoding. `spec` is resolved at construction: None or one of SPEC_KINDS after it
@@ -145,6 +147,8 @@ class EngineConfig:
             raise ValueError("dtype: float16 is only supported on CUDA; use bfloat16 or float32 on CPU")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
+        if not (isinstance(self.session_idle_s, (int, float)) and self.session_idle_s >= 0):
+            raise ValueError(f"session_idle_s: must be a number >= 0, got {self.session_idle_s!r}")
         if self.spec not in (None, "none", "auto", *SPEC_KINDS):
             raise ValueError(f"spec: must be 'auto', {', '.join(map(repr, SPEC_KINDS))} or None/'none', "
                              f"got {self.spec!r}")

@@ -147,7 +147,9 @@ def test_anthropic_tool_round_trip_streamed_equals_non_streamed(srv):
             [b.model_dump(include={"type", "text"}) for b in answer.content]
     count = srv.anthropic.messages.count_tokens(model=srv.model, messages=history, tools=[CALC_ANTHROPIC],
                                                 tool_choice={"type": "auto"}, system="Use the calculator.")
-    assert count.input_tokens == answer.usage.input_tokens
+    # Anthropic's input_tokens leave out the cache reads: the second turn's history came from the prefix cache
+    assert answer.usage.cache_read_input_tokens > 0
+    assert count.input_tokens == answer.usage.input_tokens + answer.usage.cache_read_input_tokens
 
 
 def test_anthropic_stop_sequence(srv):
@@ -233,3 +235,19 @@ def test_langchain_chat_anthropic_binds_tools(srv):
     history += [ai, ToolMessage(calc.invoke(call["args"]), tool_call_id=call["id"])]
     final = llm.bind_tools([calc]).invoke(history)  # the tool_use and its tool_result render
     assert final.content and final.response_metadata["stop_reason"] in ("end_turn", "max_tokens")
+
+
+def test_each_api_names_the_cache_session(srv, llm32):
+    """The session fields of each API, and the header on any route, reach the prefix cache's sessions; the first
+    given wins (header, prompt_cache_key, user, safety_identifier)."""
+    hi = [{"role": "user", "content": "Hi"}]
+    srv.openai.chat.completions.create(model=srv.model, messages=hi, max_tokens=2, user="u1",
+                                       extra_body={"prompt_cache_key": "chat-key"})
+    srv.openai.chat.completions.create(model=srv.model, messages=hi, max_tokens=2, user="u2",
+                                       extra_headers={"X-Session-Id": "header-session"})
+    srv.openai.responses.create(model=srv.model, input="Hi", max_output_tokens=2,
+                                extra_body={"safety_identifier": "responses-safety"})
+    srv.anthropic.messages.create(model=srv.model, max_tokens=2, messages=hi, metadata={"user_id": "anthropic-user"})
+    names = set(llm32.engine.kv.block_manager.sessions)
+    assert {"chat-key", "header-session", "responses-safety", "anthropic-user"} <= names
+    assert not {"u1", "u2"} & names

@@ -56,6 +56,29 @@ def test_chunked_prefill_and_preemption_keep_outputs(alone):
     assert tiny.engine.kv.block_manager.num_free == 14
 
 
+def test_named_session_keeps_its_prefix_under_pressure():
+    """An agent's main session, then two subagents, then the main session again, on 12 blocks of 16 tokens: the
+    main turn (7 blocks) and one subagent's (6) fit, a second subagent's does not. Under LRU it evicts the main
+    session's prefix (freed first); named sessions keep it and evict the newer subagent's."""
+    per_token = 2 * 30 * 3 * 64 * 4  # layers x k|v x kv heads x head dim x float32
+    main, subs = list(range(1000, 1096)), [list(range(2000, 2080)), list(range(3000, 3080))]
+
+    def main_hit(named: bool) -> int:
+        llm = LLM(dtype="float32", kv_cache_memory=f"{12 * 16 * per_token / 2**30}GiB", spec=None, plugin=None)
+        assert llm.engine.kv.num_blocks == 12
+        params = lambda s: SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, session=s if named else None)
+        llm.generate(main, params("main"))
+        for i, sub in enumerate(subs):
+            llm.generate(sub, params(f"sub{i}"))
+        again = llm.generate(main + [5, 6, 7], params("main"))[0]
+        assert llm.engine.kv.block_manager.num_used == 0
+        llm.close()
+        return again.metrics["cached_prompt_tokens"]
+
+    assert main_hit(named=True) == 96  # the main session's whole prefix
+    assert main_hit(named=False) <= 16  # LRU kept at most its head block
+
+
 def test_no_block_leak_and_abort(llm32):
     bm = llm32.engine.kv.block_manager
     eng = llm32.engine

@@ -13,6 +13,7 @@ from lanner.cli.options import (
 
 def add_bench(sub):
     from lanner.bench import (
+        agent_cache,
         fixed,
         kv,
         latency,
@@ -30,11 +31,12 @@ def add_bench(sub):
                    "Measure Lanner's speed. Each benchmark prints a markdown table and writes a JSON file and "
                    "a PNG chart.")
     bench = p.add_subparsers(dest="benchmark",
-                             metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory,structured,quant,learn,tools}",
+                             metavar="{latency,throughput,replay,fixed,make-sessions,kv,memory,structured,quant,learn,tools,agent-cache}",
                              required=True)
     for module, name in ((latency, "latency"), (throughput, "throughput"), (replay, "replay"), (fixed, "fixed"),
                          (sessions, "make-sessions"), (kv, "kv"), (memory, "memory"), (structured, "structured"),
-                         (quant, "quant"), (learn, "learn"), (tools, "tools")):
+                         (quant, "quant"), (learn, "learn"), (tools, "tools"),
+                         (agent_cache, "agent-cache")):
         b = new_parser(bench, name, module.HELP, module.DESCRIPTION)
         module.add_arguments(b)
         sweep = name in ("latency", "memory")  # these compare tensor-parallel sizes: --tp 1,2

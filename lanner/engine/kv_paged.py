@@ -45,12 +45,14 @@ class PagedKV:
         self.config, self.tp = config, tp
         self.layout = KVLayout.of(model, config.window_kv)
         per_token = ModelRunner.bytes_per_token(model, config.torch_dtype, self.layout) + draft_bytes
+        self.bytes_per_token, self.plugin_bytes = per_token, plugin_bytes  # a benchmark sizes a pool of N blocks
         self.num_blocks = kv_blocks(config, per_token, plugin_bytes)
         if self.num_blocks < 2:
             raise ValueError(f"kv_cache_memory: {config.kv_cache_memory!r} leaves room for {self.num_blocks} blocks"
                              + (f" after plugins took {plugin_bytes / 2**20:.0f} MiB" if plugin_bytes else ""))
         self.block_size = config.block_size
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          config.session_idle_s)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_queue_len, self.layout)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, config.torch_dtype, config.device,

@@ -41,6 +41,9 @@ class SamplingParams:
     # constrained decoding (lanner.structured): a JSON schema, any JSON object, or tool calls
     structured: StructuredOutput | None = None
     user: str | None = None  # the API's `user`: speculation drafts from this user's earlier outputs only
+    # the conversation this request continues (an agent's session): the prefix cache evicts by session
+    # (lanner.kvcache.block_manager); None: plain LRU
+    session: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -89,6 +92,8 @@ class SamplingParams:
             bad("logit_bias", "must map non-negative token ids to values in [-100, 100]")
         if self.user is not None and not isinstance(self.user, str):
             bad("user", f"must be a string, got {self.user!r}")
+        if self.session is not None and not isinstance(self.session, str):
+            bad("session", f"must be a string, got {self.session!r}")
 
     @property
     def greedy(self) -> bool:

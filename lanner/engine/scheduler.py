@@ -96,6 +96,11 @@ class Scheduler(RequestQueue):
         self.groups = self.layout.num_groups
         self.tables: dict[str, BlockTables] = {}  # request id -> its blocks, while it is running
 
+    def add(self, req: Request):
+        super().add(req)
+        # a session's next turn has arrived: its cached blocks count as active from now, before admission
+        self.blocks.touch(req.params.session)
+
     def _blocks_needed(self, req: Request, upto: int) -> int:
         """Pool blocks for positions up to `upto`: as many new table entries in every group."""
         return max(0, -(-upto // self.blocks.block_size) - len(self.tables[req.request_id].table)) * self.groups
@@ -132,9 +137,10 @@ class Scheduler(RequestQueue):
             return
         # group 0 and the other full groups first, the sliding groups' window blocks last: in LRU order those
         # go last, and without them no hit on this prefix can be served
-        self.blocks.free(bt.table)
+        session = req.params.session
+        self.blocks.free(bt.table, session)
         for g, table in sorted(enumerate(bt.groups, 1), key=lambda e: self.layout.windows[e[0]] is not None):
-            self.blocks.free(table)
+            self.blocks.free(table, session)
 
     def _preempt(self, req: Request):
         self.running.remove(req)
@@ -178,6 +184,7 @@ class Scheduler(RequestQueue):
             if not self.blocks.can_allocate(need, held):
                 break  # the engine refuses requests that could not fit even alone, so this one waits
             self.waiting.popleft()
+            self.blocks.touch(req.params.session)
             self.blocks.acquire_cached(held)
             self.tables[req.request_id] = BlockTables(tables[0], tables[1:], hashes)
             self._extend(req, need)

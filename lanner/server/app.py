@@ -205,7 +205,8 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             return SamplingParams(max_tokens=max_tokens, stop=body.stop, stop_token_ids=body.stop_token_ids or [],
                                   ignore_eos=body.ignore_eos, logprobs=logprobs,
                                   skip_special_tokens=body.skip_special_tokens,
-                                  include_stop_str_in_output=body.include_stop_str_in_output, user=body.user, **kw)
+                                  include_stop_str_in_output=body.include_stop_str_in_output, user=body.user,
+                                  session=body.prompt_cache_key or body.user or body.safety_identifier, **kw)
         except ValueError as e:  # SamplingParams names the field first: "top_p: must be in (0, 1]"
             param = str(e).split(":", 1)[0]
             param = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(param, param)
@@ -214,6 +215,8 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     async def start(request: Request, params, prompt, prompt_ids, request_id, prompt_param):
         """Submits and waits for the first output, so refusals become proper HTTP errors before any
         streaming starts. Returns (stream, first output), or None if the client left meanwhile."""
+        if session := request.headers.get("x-session-id"):  # every route comes here, so the header works on all
+            params.session = session
         stream = engine.generate(prompt, params, prompt_ids=prompt_ids, request_id=request_id)
         try:
             done, first = await _until_disconnect(stream.__anext__(), request)

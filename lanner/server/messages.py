@@ -259,7 +259,8 @@ class Blocks:
 
 def message_usage(out) -> MessageUsage:
     u = usage(out)
-    return MessageUsage(input_tokens=u.input, output_tokens=u.output, cache_read_input_tokens=u.cached)
+    # Anthropic counts input_tokens after the cache: the prompt is input_tokens + cache_read_input_tokens
+    return MessageUsage(input_tokens=u.input - u.cached, output_tokens=u.output, cache_read_input_tokens=u.cached)
 
 
 # ---------------------------------------------------------------------------------------------- routes

@@ -94,6 +94,10 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: Text | None = None
+    # name the session whose prefix the cache keeps (first given of prompt_cache_key, user, safety_identifier;
+    # an X-Session-Id header wins): docs/server.md
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
 
     def unsupported_field(self) -> str | None:
         return next((name for name in self.UNSUPPORTED if getattr(self, name) is not None), None)

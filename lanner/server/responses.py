@@ -71,6 +71,8 @@ class ResponsesRequest(_Request):
     previous_response_id: Text | None = None
     metadata: dict[str, Text] | None = None
     user: Text | None = None
+    prompt_cache_key: Text | None = None
+    safety_identifier: Text | None = None
 
 
 class ContentPart(_Request):
@@ -219,6 +221,7 @@ def chat_messages(instructions: str | None, items: list[BaseModel], first: int) 
 def chat_fields(body: ResponsesRequest, messages: list[dict]) -> dict:
     fields = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "user": body.user,
+              "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
               "parallel_tool_calls": body.parallel_tool_calls}
     if body.tools:
         fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
