@@ -41,7 +41,8 @@ def add_arguments(p, name: str, concurrency: str):
                         "after the first is freed, and report the ratios of the two")
     p.add_argument("--systems", default=None, metavar="SPEC[,SPEC...]",
                    help="speculation systems to run one after the other, each in its own engine, with ratios "
-                        "against the first: none (plain), ngram, suffix, draft, hybrid, suffix-tree, draft-tree, "
+                        "against the first: none (plain), auto (the engine's default), ngram, suffix, draft, hybrid, "
+                        "suffix-tree, draft-tree, "
                         "hybrid-tree, llama.cpp (e.g. 'none,ngram,suffix,draft,hybrid'); 'draft' and 'hybrid' use "
                         "--draft or the shipped head; '-tree': draft trees of --spec-tree nodes (default 12; "
                         "hybrid-tree: the suffix index's and the head's); 'llama.cpp': llama-cpp-python (make peers) "
@@ -141,7 +142,8 @@ def systems(engine_options: dict, compare: str | None, spec_systems: str | None 
                 out.append((name, {"peer": PEER, "flash_attn": PEERS[name]}))
                 continue
             spec = None if name == "none" else name.removesuffix("-tree")
-            draft = (engine_options.get("draft") or "default") if spec in ("draft", "hybrid") else None
+            draft = (engine_options.get("draft") or "default") if spec in ("draft", "hybrid") else \
+                engine_options.get("draft") if spec == "auto" else None
             tree = (engine_options.get("spec_tree") or 12) if name.endswith("-tree") else 0
             options = engine_options | {"spec": spec, "draft": draft, "spec_tree": tree}
             try:
