@@ -33,7 +33,7 @@ def test_default_model_tp2_with_the_draft_head_equals_tp1_plain():
     mapped it (a crash leaves nothing in /dev/shm)."""
     want = greedy_ids()
     before = segments()
-    with LLM(**(OPTS | lowlat(verify=2)), tp=2, spec="draft", draft="hass") as llm:
+    with LLM(**(OPTS | lowlat(verify=2) | dict(tp=2, spec="draft", draft="hass"))) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == want
         plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=False)
         assert [o.token_ids for o in llm.generate(PROMPTS, plain)] == want

@@ -29,8 +29,9 @@ from lanner.plugins import Plugin, StepKind, plugin_all_reduce, register_plugin
 # "The three primary colors are", "def fibonacci(n):", "Paris is the capital of"
 PROMPTS = [[504, 1296, 3003, 4683, 359], [1604, 3987, 46477, 24, 94, 727], [38634, 314, 260, 3575, 282]]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-# plugin=None: the engine's own forward is the reference (lowlat runs where a test asks for it)
-OPTS = dict(dtype="float32", kv_cache_memory="0.1GiB", skip_tokenizer=True, plugin=None)
+# plugin=None: the engine's own forward is the reference (lowlat runs where a test asks for it); plain decoding
+# (spec="auto" speculates on every model), so step kinds and counts are the ones these tests assert on
+OPTS = dict(dtype="float32", kv_cache_memory="0.1GiB", skip_tokenizer=True, plugin=None, spec="none")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -74,7 +75,7 @@ def test_tp2_matches_tp1_plain_and_with_the_draft_head_on_rank_0():
     """One TP=2 engine with the shipped EAGLE head: plain requests and speculative ones both give TP=1's plain
     greedy output. The head runs on rank 0 outside the group, on the gathered embedding table."""
     reference = greedy_ids()
-    with LLM(**OPTS, tp=2, spec="draft", draft="hass") as llm:
+    with LLM(**(OPTS | dict(tp=2, spec="draft", draft="hass"))) as llm:
         plain = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, speculative=False))
         assert [o.token_ids for o in plain] == reference
         assert all(o.metrics["spec_accept_length"] is None for o in plain)

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 
 from lanner.config import EngineConfig
@@ -33,7 +33,7 @@ from lanner.engine.async_engine import (
 from lanner.engine.llm_engine import LLMEngine, RequestError
 from lanner.engine.request import RequestOutput
 from lanner.engine.sampling import SamplingParams
-from lanner.server import chat_apis, tool_wire
+from lanner.server import chat_apis, messages, responses, tool_wire
 from lanner.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_SHUTDOWN_GRACE_S
 from lanner.server.http import (
     RETRY_AFTER_S,
@@ -43,6 +43,7 @@ from lanner.server.http import (
     GracefulServer,
     error_json,
     install_openapi,
+    streaming,
     validation_message,
 )
 from lanner.server.protocol import (
@@ -324,7 +325,9 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             raise APIError(400, f"messages: the chat template failed: {e}", "messages") from None
         return params, prompt_ids
 
-    chat_apis.register(app, chat_apis.ChatPath(engine, prepare_chat, start, finish, outputs, engine_error))
+    path = chat_apis.ChatPath(engine, prepare_chat, start, finish, outputs, engine_error)
+    responses.register(app, path)
+    messages.register(app, path)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -370,7 +373,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
                     yield chunk([], _usage(out))
             yield "data: [DONE]\n\n"
 
-        return _streaming(events())
+        return streaming(events())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -418,16 +421,9 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
                     yield chunk([], _usage(out))
             yield "data: [DONE]\n\n"
 
-        return _streaming(events())
+        return streaming(events())
 
     return app
-
-
-def _streaming(events) -> StreamingResponse:
-    # Starlette cancels the body iterator when the client disconnects; the cancellation reaches
-    # AsyncEngine.generate, whose cleanup aborts the request and frees its KV blocks
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,

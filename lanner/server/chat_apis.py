@@ -206,11 +206,6 @@ def chat_request(fields: dict, where: str) -> ChatCompletionRequest:
         raise APIError(400, f"{where}: {message}", where) from None
 
 
-def register(app, path: ChatPath):
-    from lanner.server import messages, responses
-
-    responses.register(app, path)
-    messages.register(app, path)
 
 
 def patch_openapi(app, routes: dict[str, dict]):

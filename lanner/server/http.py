@@ -9,7 +9,7 @@ import secrets
 import uvicorn
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from lanner.server.protocol import ErrorInfo, ErrorResponse
@@ -182,3 +182,10 @@ class GracefulServer(uvicorn.Server):
     def _abort_rest(self):
         log.warning("shutdown grace period over: aborting the requests still running")
         self.engine.abort_all(refuse_new=True)
+
+
+def streaming(events) -> StreamingResponse:
+    """An SSE response. Starlette cancels the body iterator when the client disconnects; the cancellation reaches
+    AsyncEngine.generate, whose cleanup aborts the request and frees its KV blocks."""
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -26,7 +26,7 @@ from lanner.server.chat_apis import (
     renamer,
     usage,
 )
-from lanner.server.http import APIError
+from lanner.server.http import APIError, streaming
 from lanner.server.protocol import INT64_MAX, MAX_STOP, Text, _Request
 
 RENAME = renamer([(r"stop", "stop_sequences"), (r"tools\[(\d+)\]\.function\.parameters", r"tools[\1].input_schema"),
@@ -265,8 +265,6 @@ def message_usage(out) -> MessageUsage:
 
 # ---------------------------------------------------------------------------------------------- routes
 def register(app, path: ChatPath):
-    from lanner.server.app import _streaming  # app is loaded: it calls this
-
     app.add_middleware(AnthropicErrors)
 
     async def stop_reason(turn: Turn, body: MessagesRequest) -> tuple[str, str | None]:
@@ -316,7 +314,7 @@ def register(app, path: ChatPath):
                 for chunk in blocks.feed(ev):
                     yield chunk
 
-        return _streaming(events())
+        return streaming(events())
 
     @app.post("/v1/messages/count_tokens", response_model=TokenCount)
     async def count_tokens(body: CountTokensRequest):

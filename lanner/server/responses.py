@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from lanner.server.chat_apis import ChatPath, Turn, chat_request, parse_as, patch_openapi, renamer, usage
-from lanner.server.http import APIError
+from lanner.server.http import APIError, streaming
 from lanner.server.protocol import INT64_MAX, ErrorResponse, Text, _Request
 
 MAX_STORED = 512  # responses kept for previous_response_id / GET; the oldest go first
@@ -317,8 +317,6 @@ class Builder:
 
 # ---------------------------------------------------------------------------------------------- routes
 def register(app, path: ChatPath):
-    from lanner.server.app import _streaming  # app is loaded: it calls this
-
     stored: OrderedDict[str, tuple[ResponseObject, list[BaseModel]]] = OrderedDict()
 
     def save(resp: ResponseObject, history: list[BaseModel]):
@@ -388,7 +386,7 @@ def register(app, path: ChatPath):
                 for chunk in builder.feed(ev):
                     yield chunk
 
-        return _streaming(events())
+        return streaming(events())
 
     @app.get("/v1/responses/{response_id}", response_model=ResponseObject)
     async def get_response(response_id: str):
