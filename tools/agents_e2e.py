@@ -29,6 +29,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 TASK = "In calc.py, fix the bug in add() so that it returns a + b."
+# --task explicit: a small model answers TASK with the fixed code as text; naming the tool and the command helps
+EXPLICIT = ("Fix the bug in calc.py: add() must return a + b. Call your shell tool with this exact command: "
+            "sed -i 's/a - b/a + b/' calc.py && python3 calc.py")
 CALC = "def add(a, b):\n    return a - b\n\n\nprint(add(2, 3))\n"
 PACKAGES = {"codex": "@openai/codex@0.169.0", "claude": "@anthropic-ai/claude-code@2.1.328"}
 
@@ -208,7 +211,7 @@ stream_idle_timeout_ms = {args.agent_timeout * 1000}
 """)
     env = {**os.environ, **QUIET, "CODEX_HOME": str(home), "LANNER_API_KEY": "sk-dummy"}
     cmd = [str(Path(args.npm_prefix) / "node_modules/.bin/codex"), "exec", "--json", "--skip-git-repo-check",
-           "--dangerously-bypass-approvals-and-sandbox", "-C", str(repo), TASK]
+           "--dangerously-bypass-approvals-and-sandbox", "-C", str(repo), args.task]
     return cmd, env
 
 
@@ -222,7 +225,7 @@ def claude_command(args, root: Path, base: str, repo: Path) -> tuple[list[str], 
                ANTHROPIC_DEFAULT_SONNET_MODEL=args.served_name, ANTHROPIC_DEFAULT_OPUS_MODEL=args.served_name,
                API_TIMEOUT_MS=str(args.agent_timeout * 1000), CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(args.max_output))
     # --dangerously-skip-permissions is refused under root; allowing the edit tools does the same here
-    cmd = [str(Path(args.npm_prefix) / "node_modules/.bin/claude"), "-p", TASK, "--output-format", "stream-json",
+    cmd = [str(Path(args.npm_prefix) / "node_modules/.bin/claude"), "-p", args.task, "--output-format", "stream-json",
            "--verbose", "--max-turns", str(args.max_turns), "--permission-mode", "acceptEdits",
            "--allowedTools", "Read,Edit,Write,Bash,Glob,Grep"]
     return cmd, env
@@ -286,6 +289,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--agents", default="codex,claude", type=lambda s: s.split(","))
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--task", default=TASK, help=f"the ask; 'explicit': {EXPLICIT!r}")
     ap.add_argument("--served-name", default="qwen2.5-coder-1.5b")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--port", type=int, default=18800)
@@ -300,6 +304,7 @@ def main(argv=None):
     ap.add_argument("--no-wait", action="store_true", help="do not wait while /tmp/bench_busy exists")
     ap.add_argument("--out", default="results/agents_e2e.json")
     args = ap.parse_args(argv)
+    args.task = EXPLICIT if args.task == "explicit" else args.task
     ensure_clients(args)
     root = Path(args.work)
     root.mkdir(parents=True, exist_ok=True)
@@ -313,16 +318,20 @@ def main(argv=None):
         print(f"server up in {time.monotonic() - t0:.0f} s", flush=True)
         server = f"http://127.0.0.1:{args.port}"
     rec = Recorder(server)
-    results = {"model": args.model, "threads": args.threads, "max_model_len": args.max_model_len, "task": TASK,
-               "agents": {}}
+    out = Path(args.out)  # runs add to the file: key "<agent>" for TASK, "<agent>_explicit" for EXPLICIT
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results.update(model=args.model, threads=args.threads, max_model_len=args.max_model_len,
+                   tasks={"default": TASK, "explicit": EXPLICIT})
+    results.setdefault("agents", {})
     try:
         for name in args.agents:
             print(f"running {name} ...", flush=True)
             r = run_agent(name, args, root, rec, server)
-            results["agents"][name] = r
+            r["task"] = args.task
+            results["agents"][name + ("_explicit" if args.task == EXPLICIT else "")] = r
             print(json.dumps({k: r[k] for k in ("started", "requests", "tool_calls_made", "task_solved", "wall_s",
                                                 "prompt_tokens", "cached_tokens", "ttft_s")}), flush=True)
-            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+            out.write_text(json.dumps(results, indent=1) + "\n")
     finally:
         if proc is not None:
             proc.terminate()
