@@ -251,3 +251,49 @@ def test_each_api_names_the_cache_session(srv, llm32):
     names = set(llm32.engine.kv.block_manager.sessions)
     assert {"chat-key", "header-session", "responses-safety", "anthropic-user"} <= names
     assert not {"u1", "u2"} & names
+
+
+# ---------------------------------------------------------------------------------------------- the agents' payloads
+def test_codex_cli_request_shape(srv):
+    """Codex CLI 0.169 (docs/agents.md): developer items with ids, hosted tools beside function ones (a
+    `namespace` and `web_search`, not offered to the model), reasoning / include / prompt_cache_key, no
+    max_output_tokens. Was a 400 on tools[4].type."""
+    body = {"model": srv.model, "stream": True, "store": False, "tool_choice": "required",
+            "parallel_tool_calls": False, "reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "s1", "client_metadata": {"x": "y"},
+            "input": [{"type": "message", "id": "msg_1", "role": "developer",
+                       "content": [{"type": "input_text", "text": "Use the calculator."}]},
+                      {"type": "message", "id": "msg_2", "role": "user", "content": [{"type": "input_text", "text": ASK}]}],
+            "tools": [{**CALC, "strict": False},
+                      {"type": "namespace", "name": "multi_agent_v1", "description": "d", "tools": [CALC]},
+                      {"type": "web_search", "external_web_access": True}]}
+    with httpx.stream("POST", srv.base + "/v1/responses", json=body, timeout=300,
+                      headers={"authorization": f"Bearer {KEY}", "session-id": "s1"}) as r:
+        assert r.status_code == 200, r.read()
+        done = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")][-1]
+    assert done["type"] == "response.completed", done
+    assert [(o["type"], o["name"]) for o in done["response"]["output"]] == [("function_call", "calculator")]
+    assert [t["name"] for t in done["response"]["tools"]] == ["calculator"]
+
+
+def test_claude_code_request_shape(srv):
+    """Claude Code 2.1.328: a system-role message inside messages, cache_control, thinking / context_management /
+    output_config, ?beta=true and max_tokens=32000 (past this context: cut to what fits). Was a 400 on
+    messages[1].role, then on max_tokens."""
+    cached = {"cache_control": {"type": "ephemeral"}}
+    body = {"model": srv.model, "max_tokens": 32000, "stream": True, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": []}, "output_config": {"effort": "high"},
+            "metadata": {"user_id": '{"session_id": "s1"}'},
+            "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.328;"},
+                       {"type": "text", "text": "Use the calculator.", **cached}],
+            "tools": [{**CALC_ANTHROPIC, **cached}, {"name": "Later", "description": "d", "defer_loading": True,
+                                                     "input_schema": {"type": "object", "properties": {}}}],
+            "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": ASK, **cached}]},
+                         {"role": "system", "content": [{"type": "text", "text": "# Environment\ncwd: /tmp"}]}]}
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219"}
+    with httpx.stream("POST", srv.base + "/v1/messages?beta=true", json=body, headers=headers, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "message_stop"
+    assert [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"] == ["tool_use"]

@@ -101,8 +101,12 @@ class ChatPath:
 
     async def open(self, body: ChatCompletionRequest, request: Request, rid: str,
                    rename: Callable[[str], str]) -> Started | None:
-        """Prepares and submits; None if the client left meanwhile."""
+        """Prepares and submits; None if the client left meanwhile. A max_tokens past the context is cut to what
+        fits: it is an upper bound, and agents send their own model's (Claude Code: 32000)."""
         params, prompt_ids = await self.prompt(body, rename)
+        room = self.engine.max_model_len - len(prompt_ids)
+        if params.max_tokens is not None and room > 0:
+            params.max_tokens = min(params.max_tokens, room)
         try:
             started = await self.start(request, params, None, prompt_ids, rid, "messages")
         except APIError as e:

@@ -59,7 +59,7 @@ BLOCKS = {"text": TextBlock, "tool_use": ToolUseBlock, "tool_result": ToolResult
 
 
 class InputMessage(_Request):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: Claude Code sends its environment mid-conversation
     content: Text | list[dict[str, Any]]  # blocks are checked one by one, so errors name the block
 
 
@@ -164,8 +164,8 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
             block = parse_as(BLOCKS[kind], raw, ("messages", i, "content", j))
             if isinstance(block, TextBlock):
                 texts.append(block.text)
-            elif m.role == "user" and isinstance(block, ToolUseBlock) or \
-                    m.role == "assistant" and isinstance(block, ToolResultBlock):
+            elif m.role != "assistant" and isinstance(block, ToolUseBlock) or \
+                    m.role != "user" and isinstance(block, ToolResultBlock):
                 raise APIError(400, f"{where}.type: a {kind} block cannot be in a {m.role} message", f"{where}.type")
             elif isinstance(block, ToolUseBlock):
                 calls.append({"id": block.id, "type": "function",
@@ -181,7 +181,7 @@ def chat_messages(body: CountTokensRequest) -> list[dict]:
             messages.append({"role": "assistant", "content": "\n".join(texts) or None, **({"tool_calls": calls}
                                                                                          if calls else {})})
         elif texts:
-            messages.append({"role": "user", "content": "\n".join(texts)})
+            messages.append({"role": m.role, "content": "\n".join(texts)})
     return messages
 
 

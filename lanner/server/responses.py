@@ -59,7 +59,7 @@ class ResponsesRequest(_Request):
     model: Text | None = None
     input: Text | list[dict[str, Any]]  # items are checked one by one (parse_items), so errors name the item
     instructions: Text | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools are offered; hosted ones (web_search, namespace, ...)
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -170,6 +170,13 @@ class ResponseObject(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------- conversion
+def function_tools(raw: list[dict] | None) -> list[FunctionTool]:
+    """The function tools of `tools`. Others (web_search, namespace, local_shell, ...: Codex CLI sends them) are
+    tools a hosted model runs itself; this server has none, so they are not offered to the model."""
+    return [parse_as(FunctionTool, t, ("tools", i)) for i, t in enumerate(raw or [])
+            if not isinstance(t, dict) or t.get("type") == "function"]
+
+
 def parse_items(raw: str | list[dict]) -> list[BaseModel]:
     if isinstance(raw, str):
         return [MessageItem(role="user", content=raw)]
@@ -218,14 +225,14 @@ def chat_messages(instructions: str | None, items: list[BaseModel], first: int) 
     return messages
 
 
-def chat_fields(body: ResponsesRequest, messages: list[dict]) -> dict:
+def chat_fields(body: ResponsesRequest, messages: list[dict], tools: list[FunctionTool]) -> dict:
     fields = {"model": body.model, "messages": messages, "max_tokens": body.max_output_tokens,
               "temperature": body.temperature, "top_p": body.top_p, "user": body.user,
               "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier,
               "parallel_tool_calls": body.parallel_tool_calls}
-    if body.tools:
+    if tools:
         fields["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                           for t in body.tools]
+                           for t in tools]
     if isinstance(body.tool_choice, NamedFunction):
         fields["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
     else:
@@ -340,7 +347,8 @@ def register(app, path: ChatPath):
         messages = chat_messages(body.instructions, items, len(history))
         if not messages:
             raise APIError(400, "input: holds no message (and there are no instructions)", "input")
-        chat = chat_request(chat_fields(body, messages), "input")
+        tools = function_tools(body.tools)
+        chat = chat_request(chat_fields(body, messages, tools), "input")
         rid = f"resp_{uuid.uuid4().hex}"
         started = await path.open(chat, request, rid, RENAME)
         if started is None:
@@ -351,7 +359,7 @@ def register(app, path: ChatPath):
             else {"type": "text"}
         builder = Builder(ResponseObject(
             id=rid, created_at=int(time.time()), status="in_progress", model=path.engine.model_name, output=[],
-            instructions=body.instructions, tools=[t.model_dump(exclude_none=True) for t in body.tools or []],
+            instructions=body.instructions, tools=[t.model_dump(exclude_none=True) for t in tools],
             tool_choice=tool_choice, parallel_tool_calls=body.parallel_tool_calls is not False,
             temperature=body.temperature, top_p=body.top_p, max_output_tokens=body.max_output_tokens,
             previous_response_id=body.previous_response_id, text={"format": fmt}, store=body.store,
