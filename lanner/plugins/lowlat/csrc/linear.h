@@ -65,8 +65,9 @@ inline torch::Tensor Model::linear(torch::Tensor x, torch::Tensor W, c10::option
   return out_float ? y.to(torch::kFloat32) : y.to(wdt);
 }
 
-// y = x @ W.T for a stored-type W (its buffers, or a MixedQuantLinear's row segments; N rows of x's K columns), e.g. the tied Q8_0 LM head, with the
-// forward's kernels and activation mode -> [M, N] in the model dtype (out_float: float32)
+// y = x @ W.T for a stored-type W (its buffers, or a MixedQuantLinear's row segments; N rows of x's K columns),
+// e.g. the tied Q8_0 LM head, with the forward's kernels and activation mode -> [M, N] in the model dtype
+// (out_float: float32)
 // (argmax: -> int64 [M], argmax_rows of the result: greedy decoding's LM head without the logits)
 inline torch::Tensor Model::qlinear(torch::Tensor x, std::vector<torch::Tensor> w, int64_t N, bool out_float,
                                     bool argmax) {

@@ -12,10 +12,11 @@
 // multiplied out per sub-block (exact in float32). Rows have an even block count (zero-padded).
 //
 // Rows are interleaved in groups of 16 (lanner/models/quant.py, GROUP): a group's codes are 512-byte chunks (a
-// u4 block pair or an s8 block; u6: 384 bytes), each 8 (u6: 6) vectors of 64 bytes; vector t holds, for row i of the group, bytes
-// 4t..4t+3 of that row's 32 in 32-bit lane i. So one vpdpbusd against 4 activation codes broadcast to every lane
-// adds 4 products to each of the 16 rows' sums: no horizontal reductions, the unpacked codes serve 16 rows, and
-// the scales of 16 rows are one vector (scales [groups, blocks, 16]). A row's output is a lane of its group's.
+// u4 block pair or an s8 block; u6: 384 bytes), each 8 (u6: 6) vectors of 64 bytes; vector t holds, for row i of
+// the group, bytes 4t..4t+3 of that row's 32 in 32-bit lane i. So one vpdpbusd against 4 activation codes
+// broadcast to every lane adds 4 products to each of the 16 rows' sums: no horizontal reductions, the unpacked
+// codes serve 16 rows, and the scales of 16 rows are one vector (scales [groups, blocks, 16]). A row's output is
+// a lane of its group's.
 //
 // Activation modes (the row is prepared once per GEMV input per thread, ARow):
 //   q8:    per block of 32, int8 codes with a float16-rounded scale, as llama.cpp's quantize_row_q8_0/q8_1.
@@ -45,7 +46,7 @@ struct QW {  // one repacked weight [N, K]; the pointers are into tensors the pl
   const uint8_t* qs = nullptr;
   const uint16_t* d = nullptr;  // float16 scale (and u4 offset m) per block of 32
   const uint16_t* m = nullptr;
-  const uint8_t* sc = nullptr;  // K-quants: sub-block scales (u4k: uint8 per 32 with mins mn; u6k: int8 per 16)
+  const uint8_t* sc = nullptr;  // K-quants: sub-block scales (u4k / u5k: uint8 per 32 with mins mn; u6k: int8 per 16)
   const uint8_t* mn = nullptr;
   const uint16_t* sd = nullptr;  // K-quants: float16 super-block scales (u4k: sm = -dmin too)
   const uint16_t* sm = nullptr;
