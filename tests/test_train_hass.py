@@ -191,3 +191,37 @@ def test_train_curve_config_learns_and_reports_cost(tmp_path):
     assert r["tokens_per_s"] > 0 and r["head_ms_per_token"] > 0 and r["train_s"] > 0
     wide = train_config(target, seqs[:30], cache, held, 64, 256, Namespace(**{**vars(args), "tokens": 200}), cfg)
     assert wide["params"] - r["params"] == 3 * 64 * 128  # gate, up and down projections one width wider
+
+
+def test_train_base_streams_resumes_and_learns(tmp_path):
+    """train-base's streamed run: features made chunk by chunk (a second epoch reads them back), a run stopped by
+    --stop-at and continued ends with exactly the head of an uninterrupted run, and held-out agreement rises."""
+    from argparse import Namespace
+
+    from lanner.train.base import train_stream
+    from lanner.train.hass import cached_features, training_rows
+
+    tiny_target(tmp_path / "target")
+    llm = LLM(model=str(tmp_path / "target"), dtype="float32", skip_tokenizer=True, kv_cache_memory="0.05GiB")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, V, (8,), generator=g).tolist() for _ in range(150)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    rows = training_rows([{"prompt_ids": p, "output_ids": o.token_ids} for p, o in zip(prompts, outs)], 64)
+    target = llm.engine.model
+    held = {"held": [(f, i.tolist(), p) for f, i, _, _, p in
+                     cached_features(target, rows[140:], str(tmp_path / "h"), [2, 3, 3], 1)]}
+    args = dict(tokens=8_000, stop_at=0, max_len=64, pack_tokens=384, lr=3e-3, ttt_steps=3, eval_steps=3,
+                first_point=2000, checkpoint_minutes=0.0, seed=0, draft_vocab_size=V, width=0, no_resume=False)
+    runs = {}
+    for name, stops in (("whole", [0]), ("resumed", [4000, 0])):
+        for stop in stops:
+            a = Namespace(**{**args, "out": str(tmp_path / name), "stop_at": stop})
+            runs[name] = train_stream(target, target, rows[:140], held, str(tmp_path / "f"), a, "tiny")
+    assert len(list((tmp_path / "f").iterdir())) == 3  # 140 rows: three shards, made once for both runs
+    whole, resumed = (torch.load(tmp_path / n / "train_state.pt", weights_only=False) for n in runs)
+    assert whole["tokens"] == resumed["tokens"] >= 8_000 and whole["chunk"] > 3  # into the second epoch
+    assert all(torch.equal(whole["head"][k], resumed["head"][k]) for k in whole["head"])
+    curve = runs["whole"]["curve"]
+    assert [r["tokens"] for r in curve] == [r["tokens"] for r in runs["resumed"]["curve"]]
+    assert curve[-1]["held"]["agreement"][0] > curve[0]["held"]["agreement"][0] + 0.2, curve
+    assert (tmp_path / "whole" / "model.safetensors").exists() and (tmp_path / "whole" / "curve.png").exists()

@@ -14,13 +14,20 @@ import sys
 from lanner.cli.bench import add_bench
 from lanner.cli.options import HelpFormatter, engine_kwargs
 from lanner.cli.run import add_chat, add_generate, add_plugins, add_serve
-from lanner.cli.train import add_eval_accept, add_eval_head, add_rcsd, add_train_curve, add_train_draft
+from lanner.cli.train import (
+    add_eval_accept,
+    add_eval_head,
+    add_rcsd,
+    add_train_base,
+    add_train_curve,
+    add_train_draft,
+)
 from lanner.config import EngineConfig
 
 __all__ = ["build_parser", "engine_kwargs", "main"]
 
 SUBCOMMANDS = [add_serve, add_generate, add_chat, add_bench, add_eval_accept, add_eval_head, add_train_draft,
-               add_train_curve, add_rcsd, add_plugins]
+               add_train_curve, add_train_base, add_rcsd, add_plugins]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""lanner eval-accept, eval-head, train-draft and rcsd: measuring and training draft heads."""
+"""lanner eval-accept, eval-head, train-curve, train-base, train-draft and rcsd: measuring and training draft heads."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +41,10 @@ def add_eval_head(sub):
 
 def add_train_curve(sub):
     _eval_command(sub, "train-curve", "curve")
+
+
+def add_train_base(sub):
+    _eval_command(sub, "train-base", "base")
 
 
 # ------------------------------------------------------------------ train-draft

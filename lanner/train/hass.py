@@ -105,37 +105,46 @@ def _read_shard(path: str, rows: list[tuple[list[int], int]]):
 def cached_features(target, rows: list[tuple[list[int], int]], folder: str, layers: list[int], topk: int,
                     shard_size: int = 64, desc: str = "target features") -> list[tuple]:
     """Target features of `rows` ((ids, prompt length), see training_rows), computed once and kept in `folder`
-    as safetensors shards of `shard_size` consecutive rows: features bfloat16 (the head is insensitive to their
-    precision: lanner eval-head), top-K ids int32, top-K probabilities float16. Shards already written for the
+    as safetensors shards of `shard_size` consecutive rows (feature_shard). Shards already written for the
     same rows are read back, so an interrupted run resumes and later runs (train-curve) reuse them.
     Returns [(features [T, 3h] bf16, ids [T] long, top-K ids [T, K] int32, top-K probs [T, K] fp16, prompt len)]."""
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
     out = []
     bar = tqdm(total=len(rows), desc=desc, unit="seq")
     for s0 in range(0, len(rows), shard_size):
-        chunk = rows[s0 : s0 + shard_size]
-        # named by content: runs over other rows (a subset, another length cap) add shards, never overwrite
-        digest = hashlib.sha1(json.dumps(chunk).encode()).hexdigest()[:16]
-        path = os.path.join(folder, f"shard-{s0 // shard_size:05d}-{digest}.safetensors")
-        got = _read_shard(path, chunk)
-        if got is None:
-            got = []
-            for ids, plen in chunk:
-                f, ti, tp = target_features(target, ids, layers, topk)
-                got.append((f.to(torch.bfloat16), torch.tensor(ids), ti, tp, plen))
-                bar.update(1)
-            tensors = {"feats": torch.cat([g[0] for g in got]), "ids": torch.cat([g[1] for g in got]).int(),
-                       "top_i": torch.cat([g[2] for g in got]), "top_p": torch.cat([g[3] for g in got]),
-                       "lengths": torch.tensor([len(i) for i, _ in chunk]), "plens": torch.tensor([p for _, p in chunk])}
-            save_file({k: v.contiguous() for k, v in tensors.items()}, path + ".tmp")
-            os.replace(path + ".tmp", path)  # a shard is whole or absent, even if the run is killed mid-write
-        else:
-            bar.update(len(chunk))
-        out.extend(got)
+        out.extend(feature_shard(target, rows[s0 : s0 + shard_size], folder, s0 // shard_size, layers, topk,
+                                 lambda: bar.update(1)))
+        bar.n = len(out)
+        bar.refresh()
     bar.close()
     return out
+
+
+def feature_shard(target, chunk: list[tuple[list[int], int]], folder: str, index: int, layers: list[int],
+                  topk: int, on_row=None) -> list[tuple]:
+    """One shard of cached_features: read back if `folder` holds it for exactly these rows, else computed and
+    written (features bfloat16, which the head is insensitive to: lanner eval-head; top-K ids int32, top-K
+    probabilities float16). on_row() is called after each computed row (progress)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    # named by content: runs over other rows (a subset, another length cap) add shards, never overwrite
+    digest = hashlib.sha1(json.dumps(chunk).encode()).hexdigest()[:16]
+    path = os.path.join(folder, f"shard-{index:05d}-{digest}.safetensors")
+    got = _read_shard(path, chunk)
+    if got is not None:
+        return got
+    got = []
+    for ids, plen in chunk:
+        f, ti, tp = target_features(target, ids, layers, topk)
+        got.append((f.to(torch.bfloat16), torch.tensor(ids), ti, tp, plen))
+        if on_row:
+            on_row()
+    tensors = {"feats": torch.cat([g[0] for g in got]), "ids": torch.cat([g[1] for g in got]).int(),
+               "top_i": torch.cat([g[2] for g in got]), "top_p": torch.cat([g[3] for g in got]),
+               "lengths": torch.tensor([len(i) for i, _ in chunk]), "plens": torch.tensor([p for _, p in chunk])}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a shard is whole or absent, even if the run is killed mid-write
+    return got
 
 
 def pack_batches(lengths: list[int], order: list[int], pack_tokens: int) -> list[list[int]]:
