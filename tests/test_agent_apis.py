@@ -27,10 +27,28 @@ def srv(llm32):
     engine = AsyncEngine(llm32.engine)
     with serve(build_app(engine, api_key=KEY)) as base:
         yield type("Srv", (), {
-            "base": base, "model": engine.model_name,
+            "base": base, "model": engine.model_name, "engine": engine,
             "openai": openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=300),
             "anthropic": anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=300)})
     engine.shutdown()
+
+
+def test_messages_stream_starts_before_the_prefill_ends(srv):
+    """A stream's headers and message_start go out once the engine has queued the request, not after its first
+    token: an agent's long first prompt prefills for minutes on a CPU, and clients give up on a silent socket."""
+    prompt = " ".join(f"item{i}" for i in range(1200))  # a few thousand tokens: several prefill steps
+    with httpx.stream("POST", srv.base + "/v1/messages", timeout=300,
+                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                      json={"model": srv.model, "max_tokens": 4, "stream": True,
+                            "messages": [{"role": "user", "content": prompt}]}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        start = json.loads(next(line for line in lines if line.startswith("data:"))[5:])
+        req = srv.engine.engine.requests.get(start["message"]["id"])
+        assert start["type"] == "message_start" and start["message"]["usage"]["input_tokens"] > 2000
+        assert req is not None and not req.output_ids and req.num_computed < len(req.prompt_ids)
+        rest = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+    assert rest[-1]["type"] == "message_stop" and rest[-2]["usage"]["output_tokens"] == 4
 
 
 # ---------------------------------------------------------------------------------------------- Responses

@@ -368,3 +368,24 @@ def test_schemathesis_finds_no_5xx_and_no_conformance_failures(srv, monkeypatch,
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert "passed" in done.stdout and "Fuzzing" in done.stdout
+
+
+def test_sse_keepalive_while_a_stream_is_silent():
+    """streaming() sends SSE comments while its events are silent (a long prefill), then the events themselves."""
+    from fastapi import FastAPI
+
+    from lanner.server.http import streaming
+
+    app = FastAPI()
+
+    @app.get("/s")
+    async def s():
+        async def events():
+            await asyncio.sleep(0.45)
+            yield "data: 1\n\n"
+
+        return streaming(events(), keepalive_s=0.1)
+
+    with serve(app) as base:
+        body = httpx.get(base + "/s").text
+    assert body.count(": keep-alive\n\n") >= 3 and body.endswith("data: 1\n\n")

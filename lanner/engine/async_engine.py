@@ -23,6 +23,9 @@ from lanner.engine.scheduler import QueueFullError
 log = logging.getLogger("lanner")
 
 
+ADMITTED = object()  # the engine thread's note that a request passed the queue: a stream may start before its first token
+
+
 class EngineOverloadedError(RequestError):
     """The engine's waiting queue is full; the client should retry later (the server answers 503)."""
 
@@ -80,10 +83,11 @@ class AsyncEngine:
 
     async def generate(self, prompt: str | None, params: SamplingParams | None = None,
                        prompt_ids: list[int] | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, admitted: bool = False) -> AsyncIterator[RequestOutput | None]:
         """Yields one RequestOutput per engine step that advanced the request; the last has finished=True.
         Raises RequestError (validation, or EngineOverloadedError when the queue is full) at the first
-        iteration. Leaving early aborts the request: at once on cancellation or aclose(); after a bare
+        iteration. admitted: first yield None as soon as the engine has queued the request, so a server can
+        answer a stream's headers while a long prompt waits or prefills. Leaving early aborts the request: at once on cancellation or aclose(); after a bare
         `break`, only when the event loop finalizes the abandoned generator, so call aclose() there."""
         if self.error is not None:
             raise EngineDeadError(self.error)
@@ -103,6 +107,10 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     done = True  # the engine thread already dropped this request
                     raise item
+                if item is ADMITTED:
+                    if admitted:
+                        yield None
+                    continue
                 done = item.finished
                 yield item
                 if done:
@@ -184,6 +192,8 @@ class AsyncEngine:
                 if isinstance(e.__cause__, QueueFullError):
                     e = EngineOverloadedError(str(e), e.param)
                 self._put(loop, queue, e)
+                return
+            self._put(loop, queue, ADMITTED)
         else:
             for rid in list(self._streams) if cmd[0] == "abort_all" else [cmd[1]]:
                 out = self.engine.abort(rid)

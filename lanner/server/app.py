@@ -213,12 +213,14 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             param = {"max_tokens": max_tokens_field, "logprobs": logprobs_field}.get(param, param)
             raise APIError(400, str(e), param) from None
 
-    async def start(request: Request, params, prompt, prompt_ids, request_id, prompt_param):
-        """Submits and waits for the first output, so refusals become proper HTTP errors before any
-        streaming starts. Returns (stream, first output), or None if the client left meanwhile."""
+    async def start(request: Request, params, prompt, prompt_ids, request_id, prompt_param, admitted=False):
+        """Submits and waits for the first output (admitted: only until the engine has queued the request; the
+        first output is then None), so refusals become proper HTTP errors before any streaming starts, and a
+        stream's headers need not wait for a long prefill. Returns (stream, first output), or None if the client
+        left meanwhile."""
         if session := request.headers.get("x-session-id"):  # every route comes here, so the header works on all
             params.session = session
-        stream = engine.generate(prompt, params, prompt_ids=prompt_ids, request_id=request_id)
+        stream = engine.generate(prompt, params, prompt_ids=prompt_ids, request_id=request_id, admitted=admitted)
         try:
             done, first = await _until_disconnect(stream.__anext__(), request)
         except EngineOverloadedError as e:
@@ -233,10 +235,11 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
             return None
         return stream, first
 
-    async def outputs(first: RequestOutput, stream) -> AsyncIterator[RequestOutput]:
+    async def outputs(first: RequestOutput | None, stream) -> AsyncIterator[RequestOutput]:
         try:
-            yield first
-            if not first.finished:
+            if first is not None:
+                yield first
+            if first is None or not first.finished:
                 async for out in stream:
                     yield out
         finally:
@@ -333,7 +336,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         params, prompt_ids = await prepare_chat(body)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        started = await start(request, params, None, prompt_ids, rid, "messages")
+        started = await start(request, params, None, prompt_ids, rid, "messages", admitted=bool(body.stream))
         if started is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         stream, first = started
@@ -388,7 +391,7 @@ def build_app(engine: AsyncEngine, api_key: str | None = None,
         max_tokens = LEGACY_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         params = sampling_params(body, max_tokens, "max_tokens", body.logprobs, "logprobs")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        started = await start(request, params, prompt, prompt_ids, rid, "prompt")
+        started = await start(request, params, prompt, prompt_ids, rid, "prompt", admitted=bool(body.stream))
         if started is None:
             return Response(status_code=499)
         stream, first = started

@@ -79,8 +79,9 @@ class Started:
     """A submitted request: the engine's stream, its first output and the tool / format constraint (which names
     the model family's call format for the parser)."""
     stream: Any
-    first: Any
+    first: Any  # None for a stream: it starts when the engine has queued the request
     structured: Any
+    prompt_tokens: int
 
 
 @dataclass
@@ -100,18 +101,19 @@ class ChatPath:
             raise _renamed(e, rename) from None
 
     async def open(self, body: ChatCompletionRequest, request: Request, rid: str,
-                   rename: Callable[[str], str]) -> Started | None:
-        """Prepares and submits; None if the client left meanwhile. A max_tokens past the context is cut to what
+                   rename: Callable[[str], str], stream: bool) -> Started | None:
+        """Prepares and submits; None if the client left meanwhile. A stream starts as soon as the engine has
+        queued the request (Started.first is None). A max_tokens past the context is cut to what
         fits: it is an upper bound, and agents send their own model's (Claude Code: 32000)."""
         params, prompt_ids = await self.prompt(body, rename)
         room = self.engine.max_model_len - len(prompt_ids)
         if params.max_tokens is not None and room > 0:
             params.max_tokens = min(params.max_tokens, room)
         try:
-            started = await self.start(request, params, None, prompt_ids, rid, "messages")
+            started = await self.start(request, params, None, prompt_ids, rid, "messages", admitted=stream)
         except APIError as e:
             raise _renamed(e, rename) from None
-        return None if started is None else Started(*started, params.structured)
+        return None if started is None else Started(*started, params.structured, len(prompt_ids))
 
     async def turn(self, body: ChatCompletionRequest, request: Request, started: Started) -> Turn | None:
         """The whole answer of a non-streaming request, parsed as the chat route parses it; None if the client

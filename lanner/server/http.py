@@ -184,8 +184,41 @@ class GracefulServer(uvicorn.Server):
         self.engine.abort_all(refuse_new=True)
 
 
-def streaming(events) -> StreamingResponse:
+KEEPALIVE_S = 10.0
+
+
+def streaming(events, keepalive_s: float | None = None) -> StreamingResponse:
     """An SSE response. Starlette cancels the body iterator when the client disconnects; the cancellation reaches
-    AsyncEngine.generate, whose cleanup aborts the request and frees its KV blocks."""
-    return StreamingResponse(events, media_type="text/event-stream",
+    AsyncEngine.generate, whose cleanup aborts the request and frees its KV blocks. While `events` is silent (a
+    long prompt prefilling, a request waiting its turn), an SSE comment goes out every keepalive_s seconds: SSE
+    clients skip it, and agents' HTTP stacks stop treating the stream as dead (Claude Code gave up on a first
+    request after minutes of silence)."""
+    return StreamingResponse(_with_keepalive(events, KEEPALIVE_S if keepalive_s is None else keepalive_s),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _with_keepalive(events, every: float):
+    it = events.__aiter__()
+    nxt = None
+    try:
+        while True:
+            nxt = nxt or asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({nxt}, timeout=every)  # the pending __anext__ survives the timeout
+            if not done:
+                yield ": keep-alive\n\n"
+                continue
+            try:
+                chunk = nxt.result()
+            except StopAsyncIteration:
+                return
+            nxt = None
+            yield chunk
+    finally:
+        if nxt is not None and not nxt.done():  # the client left mid-wait: cancel into the generator (aborts)
+            nxt.cancel()
+            try:
+                await nxt
+            except (asyncio.CancelledError, StopAsyncIteration):
+                pass
+        await it.aclose()

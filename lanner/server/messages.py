@@ -277,7 +277,7 @@ def register(app, path: ChatPath):
     async def create_message(body: MessagesRequest, request: Request):
         chat = chat_request(chat_fields(body), "messages")
         mid = f"msg_{uuid.uuid4().hex}"
-        started = await path.open(chat, request, mid, RENAME)
+        started = await path.open(chat, request, mid, RENAME, body.stream)
         if started is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         blocks = Blocks()
@@ -294,9 +294,10 @@ def register(app, path: ChatPath):
                                  stop_sequence=matched, usage=message_usage(turn.out))
 
         async def events():
+            # sent before the prefill: what the prompt cache saves is known at the end (message_delta's usage)
             start = MessageObject(id=mid, model=path.engine.model_name, content=[], stop_reason=None,
-                                  stop_sequence=None, usage=message_usage(started.first))
-            start.usage.output_tokens = 0
+                                  stop_sequence=None, usage=MessageUsage(input_tokens=started.prompt_tokens,
+                                                                         output_tokens=0, cache_read_input_tokens=0))
             yield _sse("message_start", {"message": start.model_dump()})
             yield _sse("ping", {})
             async for ev in path.events(chat, started):

@@ -350,7 +350,7 @@ def register(app, path: ChatPath):
         tools = function_tools(body.tools)
         chat = chat_request(chat_fields(body, messages, tools), "input")
         rid = f"resp_{uuid.uuid4().hex}"
-        started = await path.open(chat, request, rid, RENAME)
+        started = await path.open(chat, request, rid, RENAME, bool(body.stream))
         if started is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else \
