@@ -293,8 +293,10 @@ class EngineConfig:
         0.86 s on the replay); else bfloat16, half the memory of dequantized weights."""
         if self.weights == "auto":
             from lanner.models.catalog import CATALOG
+            from lanner.models.synthetic import PREFIX
 
-            gguf = self.model is None or str(self.model).lower().endswith(".gguf") or self.model in CATALOG
+            gguf = self.model is None or str(self.model).lower().endswith(".gguf") or self.model in CATALOG or \
+                str(self.model).startswith(PREFIX)
             plugins = str(self.plugin or "none").split(",")
             lowlat_allowed = plugins == ["auto"] or "lowlat" in plugins
             runs_lowlat = self.device == "cpu" and self.tp == 1 and self.kv_tier is None and lowlat_allowed

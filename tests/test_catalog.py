@@ -88,3 +88,27 @@ def test_qwen_coder_by_name():
     plain = LLM(model="qwen2.5-coder-1.5b", max_model_len=1024, spec="none")
     assert [o.token_ids for o in plain.chat(asks, params)] == [o.token_ids for o in outs]
     plain.close()
+
+
+def test_synthetic_llama_gguf_loads_and_generates(tmp_path):
+    """A synthetic geometry's float16 GGUF (what llama.cpp's quantizer then takes): Llama tensors of the asked
+    shapes with a real model's tokenizer (the bundled one: the synthetic sizes take Qwen2.5's, slower to load),
+    norms in float32, and Lanner loads and runs it with that geometry."""
+    import gguf
+
+    from lanner import LLM, SamplingParams
+    from lanner.models.loader import default_model_path
+    from lanner.models.synthetic import write_f16
+
+    geo = dict(layers=2, hidden=64, inter=128, heads=4, kv_heads=2, head_dim=16, tied=False)
+    path = str(tmp_path / "tiny-f16.gguf")
+    write_f16(path, geo, tokenizer_from=default_model_path())
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    assert len(tensors) == 1 + 9 * 2 + 2 and tuple(tensors["blk.1.attn_k.weight"].shape) == (64, 32)
+    assert tensors["output.weight"].tensor_type == gguf.GGMLQuantizationType.F16
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    llm = LLM(model=path, dtype="float32", spec=None, kv_cache_memory="0.05GiB", max_model_len=256)
+    cfg = llm.engine.model_config
+    assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (2, 64, 49152)
+    out = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4

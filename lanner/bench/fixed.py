@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import sys
 
-from lanner.bench import compare
+from lanner.bench import compare, report
 
 HELP = "Fixed-length random-token requests at several concurrency levels (per-user speed, TTFT)."
 DESCRIPTION = (
@@ -57,6 +57,54 @@ def run(args, engine_options: dict) -> dict:
     def warmup(engine, level):  # first-call overheads, at the highest level's batch size
         return sessions(engine, level, min(args.input, 64), 4, f"fixed:{args.seed}:warm-up")
 
-    extra = {"input_tokens": args.input, "output_tokens": args.output, "seed": args.seed}
-    return compare.run_benchmark("bench_fixed", args, engine_options, workload, warmup, "Fixed-length requests",
-                                 extra)
+    threads = ((engine_options.get("plugin_options") or {}).get("lowlat") or {}).get("threads")
+    extra = {"input_tokens": args.input, "output_tokens": args.output, "seed": args.seed,
+             "read_gb_s": read_bandwidth_gb_s(threads)}  # before any system loads: an idle machine's figure
+    result = compare.run_benchmark("bench_fixed", args, engine_options, workload, warmup, "Fixed-length requests",
+                                   extra)
+    per_token = decode_bytes_per_token(result["model_path"])
+    if per_token:
+        result["decode_bytes_per_token"] = per_token
+        for row in result["levels"]:
+            if row["concurrency"] == 1 and row.get("speed_p50_tok_s"):
+                row["decode_read_gb_s"] = row["speed_p50_tok_s"] * per_token / 1e9
+                row["decode_read_fraction"] = row["decode_read_gb_s"] / extra["read_gb_s"]
+        report.write_json(report.output_paths(args.json, args.out_dir, "bench_fixed")[0], result)
+        print(f"\nread bandwidth {extra['read_gb_s']:.1f} GB/s; weights read per decoded token "
+              f"{per_token / 1e9:.3f} GB; at one stream, P50: " + ", ".join(
+                  f"{r['system']} {r['decode_read_gb_s']:.1f} GB/s ({100 * r['decode_read_fraction']:.0f}%)"
+                  for r in result["levels"] if "decode_read_gb_s" in r))
+    return result
+
+
+def read_bandwidth_gb_s(threads: int | None, gib: float = 1.0) -> float:
+    """What this machine's cores read per second: the best of 5 sums over a 1 GiB float32 tensor at `threads`
+    (None: torch's count) threads."""
+    import time
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        x = torch.ones(int(gib * 2**30) // 4)
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(before)
+    return x.numel() * 4 / best / 1e9
+
+
+def decode_bytes_per_token(path: str) -> int | None:
+    """Bytes of a GGUF's weights one decoded token reads: every tensor but the embedding, which it reads one row
+    of (unless the output matrix is the embedding itself); None for other formats."""
+    if not path.endswith(".gguf"):
+        return None
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    untied = any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if not (untied and t.name == "token_embd.weight"))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lanner.models import synthetic
 from lanner.models.catalog import CATALOG, assemble, cache_root
 from lanner.models.config import WEIGHT_MODES, ModelConfig, UnsupportedModelError, check_architecture
 
@@ -44,6 +45,8 @@ class ModelSource:
         if model in CATALOG:  # a model by name: its GGUF assembled from PyPI part packages
             entry = CATALOG[model]
             return cls(assemble(entry), "gguf", entry.served_name)
+        if model.startswith(synthetic.PREFIX):  # a random-weight GGUF of a real geometry, built once
+            return cls(synthetic.path_for(model), "gguf", model.removeprefix(synthetic.PREFIX))
         if os.path.isfile(model) and model.endswith(".gguf"):
             return cls(model, "gguf", os.path.basename(model).removesuffix(".gguf"))
         if os.path.isdir(model):
@@ -52,7 +55,7 @@ class ModelSource:
             return cls(model, "hf", os.path.basename(os.path.normpath(model)))
         raise FileNotFoundError(
             f"model {model!r} not found: give a Hugging Face model folder, a .gguf file, a model name "
-            f"({', '.join(CATALOG)}), or omit it for the default")
+            f"({', '.join([*CATALOG, *synthetic.names()])}), or omit it for the default")
 
 
 # ---------------------------------------------------------------- Hugging Face folders

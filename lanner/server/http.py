@@ -187,18 +187,18 @@ class GracefulServer(uvicorn.Server):
 KEEPALIVE_S = 10.0
 
 
-def streaming(events, keepalive_s: float | None = None) -> StreamingResponse:
+def streaming(events, keepalive: str = ": keep-alive\n\n", keepalive_s: float | None = None) -> StreamingResponse:
     """An SSE response. Starlette cancels the body iterator when the client disconnects; the cancellation reaches
     AsyncEngine.generate, whose cleanup aborts the request and frees its KV blocks. While `events` is silent (a
-    long prompt prefilling, a request waiting its turn), an SSE comment goes out every keepalive_s seconds: SSE
-    clients skip it, and agents' HTTP stacks stop treating the stream as dead (Claude Code gave up on a first
-    request after minutes of silence)."""
-    return StreamingResponse(_with_keepalive(events, KEEPALIVE_S if keepalive_s is None else keepalive_s),
+    long prompt prefilling, a request waiting its turn), `keepalive` goes out every keepalive_s seconds (an SSE
+    comment, which clients skip, or an API's own ping event): agents' HTTP stacks give up on a silent stream
+    (Claude Code did after minutes of prefill)."""
+    return StreamingResponse(_with_keepalive(events, keepalive, KEEPALIVE_S if keepalive_s is None else keepalive_s),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _with_keepalive(events, every: float):
+async def _with_keepalive(events, keepalive: str, every: float):
     it = events.__aiter__()
     nxt = None
     try:
@@ -206,7 +206,7 @@ async def _with_keepalive(events, every: float):
             nxt = nxt or asyncio.ensure_future(it.__anext__())
             done, _ = await asyncio.wait({nxt}, timeout=every)  # the pending __anext__ survives the timeout
             if not done:
-                yield ": keep-alive\n\n"
+                yield keepalive
                 continue
             try:
                 chunk = nxt.result()

@@ -315,7 +315,7 @@ def register(app, path: ChatPath):
                 for chunk in blocks.feed(ev):
                     yield chunk
 
-        return streaming(events())
+        return streaming(events(), keepalive=_sse("ping", {}))  # Anthropic's own keep-alive event
 
     @app.post("/v1/messages/count_tokens", response_model=TokenCount)
     async def count_tokens(body: CountTokensRequest):
