@@ -78,6 +78,28 @@ def test_padded_steps_compile_whole_and_equal_the_engines_forward(rig):
     assert plugin.eager_steps == 2 and counts[("cudagraph", "decode")] == 4
 
 
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_buckets_warmed_at_build_serve_the_engines_cache(rig, dynamic):
+    """With warmup (what build does on CUDA: every compile on a scratch KV cache, before the engine's exists), the
+    engine's cache needs no further compile, with symbolic sizes and with dynamic=false (the fallback: one static
+    compile per bucket); traced with aot_eager (the compiles are what is checked), the step equals the own
+    forward."""
+    _, _, own, _ = rig
+    model, hw = own.model, Hardware.detect("cpu", torch.float32)
+    plugin = CudaGraphPlugin(cpu=True, batch_sizes=[2, 4], rows=[1], contexts=[64], dynamic=dynamic, warmup=True,
+                             backend="aot_eager")
+    plugin.build(model, model.cfg, hw)
+    before = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(static_step.__code__))
+    runner = ModelRunner(model, 16, 16, torch.float32, "cpu", plugins=PluginRuntime([plugin]))
+    chunks = [SeqChunk([7, 8, 9], 0, [3]), SeqChunk([4, 5], 0, [6])]
+    assert torch.equal(runner.run(chunks, StepKind.PREFILL), own.run(chunks, StepKind.PREFILL))
+    chunks = [SeqChunk([11], 3, [3]), SeqChunk([12], 2, [6])]
+    want = own.run(chunks, StepKind.DECODE)
+    assert torch.allclose(runner.run(chunks, StepKind.DECODE), want, atol=1e-5, rtol=1e-5)
+    assert plugin.eager_steps == 0
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(static_step.__code__)) == before
+
+
 def test_greedy_through_the_engine_equals_plain_and_memory_is_counted(rig, tiny_llama):
     """LLM(plugin="cudagraph") with n-gram speculation: the same greedy tokens as plugin=None, decode and verify
     steps through the plugin (each checked against the engine's forward by plugin_verify), prefill through the

@@ -42,11 +42,12 @@ class Bucket:
 
     def mark_dynamic(self, views: list):
         """Sizes above 1 become symbols, so one compile serves every bucket with the same (Bp == 1, Qp == 1)
-        pattern: at most four compiles (inductor specializes its layouts on sizes of 1)."""
+        pattern: at most four compiles (inductor specializes its layouts on sizes of 1). `maybe_`: a backend that
+        specializes a size compiles once more instead of failing."""
         for t in views:
             for d, n in enumerate(t.shape):
                 if n > 1:
-                    torch._dynamo.mark_dynamic(t, d)
+                    torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 class CudaGraphPlugin(Plugin):
@@ -175,8 +176,9 @@ class CudaGraphPlugin(Plugin):
         CUDA, keeps as much memory as the largest run took: the graphs' pool gets it back at the first capture,
         after the KV cache was sized without it."""
         cuda = dev.type == "cuda"
-        scratch = [tuple(torch.zeros(2 * self.block_size + 1, *s, dtype=self.hardware.dtype, device=dev)
-                         for s in layer) for layer in model.kv_cache_shapes()]
+        with torch.inference_mode(False):  # a normal tensor, like the engine's cache: dynamo guards the difference
+            scratch = [tuple(torch.zeros(2 * self.block_size + 1, *s, dtype=self.hardware.dtype, device=dev)
+                             for s in layer) for layer in model.kv_cache_shapes()]
         self._mark_kv(scratch)
         if cuda:
             torch.cuda.synchronize(dev)
@@ -197,7 +199,9 @@ class CudaGraphPlugin(Plugin):
     def _mark_kv(kv_caches):
         for layer in kv_caches:
             for t in layer:
-                torch._dynamo.mark_dynamic(t, 0)  # any pool size: the scratch cache's compile serves the engine's
+                # any pool size: the scratch cache's compiles serve the engine's. Hard (not maybe_): dynamic=False
+                # ignores soft marks, and this size only ever indexes, so nothing specializes it
+                torch._dynamo.mark_dynamic(t, 0)
 
     # ------------------------------------------------------------------ per step
     def covers(self, step: Step) -> bool:
