@@ -207,7 +207,8 @@ def speed(geometry):
         row["engine_build_s"] = time.time() - t0  # weights, the compiles (at build on CUDA), the KV cache
         row["plugin_bytes"] = llm.engine.plugin_bytes
         # compiled classes of the step so far, all sections (on CUDA: parity 2, then 3 per speed geometry)
-        row["compiled_graphs_total"] = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(static_step.__code__))
+        entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)  # a debug API
+        row["compiled_graphs_total"] = len(entries(static_step.__code__)) if entries else None
         plugin = llm.engine.plugins.plugins[0]
         row["steps"] = step_times(llm.engine.model, plugin, vocab)
         graphed = generate_speed(llm, vocab)

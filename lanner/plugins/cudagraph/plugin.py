@@ -147,7 +147,10 @@ class CudaGraphPlugin(Plugin):
                 k.mark_dynamic(self._views[key])
         self._kv_ptr = None  # the KV cache the graphs were captured on
         # one code object serves every bucket (and every engine in the process): room for their few compiles
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # (the limit's name before torch 2.7: cache_size_limit)
+        cfg = torch._dynamo.config
+        limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+        setattr(cfg, limit, max(getattr(cfg, limit), 64))
         # dynamic=False: no automatic dynamic shapes either (only the KV cache's pool size stays symbolic)
         self._compiled = torch.compile(static_step, fullgraph=True, backend=self.backend,
                                        dynamic=None if self.dynamic else False)
