@@ -61,10 +61,11 @@ def load_plugin(name: str, options: dict | None = None) -> Plugin:
 
 
 def select_plugins(choice: str | None, model_config, hardware: Hardware, options: dict | None = None) -> list[Plugin]:
-    """choice: None/"none" -> []; "auto" -> every installed plugin (entry point) that supports the model and passes
-    check (others are skipped with a log line; plugins registered in code are used only when named: auto is the
-    default, and a test's or notebook's plugin must not slip into every engine); "a,b" -> exactly these, and any
-    that does not fit raises PluginMismatch. options: {plugin name: {option: value}}."""
+    """choice: None/"none" -> []; "auto" -> every installed plugin (entry point) that supports the model, passes
+    check and does not ask to be named (Plugin.auto); others are skipped with a log line; plugins registered in code
+    are used only when named: auto is the default, and a test's or notebook's plugin must not slip into every
+    engine; "a,b" -> exactly these, and any that does not fit raises PluginMismatch. options: {plugin name: {option:
+    value}}."""
     if choice in (None, "", "none"):
         return []
     options = options or {}
@@ -77,6 +78,9 @@ def select_plugins(choice: str | None, model_config, hardware: Hardware, options
     for name in names:
         try:
             plugin = load_plugin(name, options.get(name))
+            if auto and not plugin.auto:
+                log.info("plugins auto: skipping %s: it runs only when named (--plugin %s)", name, name)
+                continue
             if not plugin.supports(model_config):
                 raise PluginMismatch(f"plugin {name!r} does not support the model structure "
                                      f"{model_config.architecture}; it supports "

@@ -92,6 +92,17 @@ def plugin_all_reduce(x: torch.Tensor, timeout_s: float) -> torch.Tensor:
                                 "tensor-parallel rank; the step is aborted on all ranks")
 
 
+def check_options(plugin: str, options: dict, types: dict):
+    """Raises ValueError for an option not in `types` (name -> type or tuple of types) or of the wrong type (bool is
+    an int to isinstance: only a bool option takes one)."""
+    unknown = sorted(set(options) - set(types))
+    if unknown:
+        raise ValueError(f"plugin {plugin}: unknown option(s) {unknown}; it takes {sorted(types)}")
+    for k, v in options.items():
+        if not isinstance(v, types[k]) or (isinstance(v, bool) and types[k] is not bool):
+            raise ValueError(f"plugin {plugin}: option {k}={v!r} has the wrong type")
+
+
 class Plugin:
     name = ""  # set by the loader to the entry-point name when empty
     architectures: tuple[str, ...] = ()  # HF architecture names; override supports() for a structural predicate
@@ -101,6 +112,8 @@ class Plugin:
     # A plugin whose calls fail on every rank or on none (its collectives agree on aborts themselves, and nothing
     # else can fail on one rank alone) sets this True to skip that question.
     consistent_failures: bool = False
+    # whether `--plugin auto` may pick it; False: only when named (e.g. a plugin that compiles for minutes at start)
+    auto: bool = True
 
     def __init__(self, **options):
         if options:

@@ -23,6 +23,7 @@ from lanner.plugins.base import (
     PluginMismatch,
     Step,
     StepKind,
+    check_options,
 )
 from lanner.plugins.lowlat import pack
 
@@ -85,13 +86,7 @@ class LowLatPlugin(Plugin):
                                "invariant": bool}
 
     def __init__(self, **options):
-        unknown = sorted(set(options) - set(self.OPTIONS))
-        if unknown:
-            raise ValueError(f"plugin lowlat: unknown option(s) {unknown}; it takes {sorted(self.OPTIONS)}")
-        for k, v in options.items():
-            # a usage error, like the others (bool is an int to isinstance: only a bool option takes one)
-            if not isinstance(v, self.OPTIONS[k]) or (isinstance(v, bool) and self.OPTIONS[k] is not bool):
-                raise ValueError(f"plugin lowlat: option {k}={v!r} has the wrong type")
+        check_options("lowlat", options, self.OPTIONS)
         self.threads = options.get("threads")
         self.max_rows = options.get("max_rows", 72)
         self.prefill_rows = self.options_prefill_rows = options.get("prefill_rows")  # None: by the weights, at build
