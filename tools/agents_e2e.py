@@ -40,6 +40,7 @@ PACKAGES = {"codex": "@openai/codex@0.169.0", "claude": "@anthropic-ai/claude-co
 class Recorder:
     def __init__(self, upstream: str):
         self.upstream, self.records, self.lock = upstream, [], threading.Lock()
+        self.bodies: Path | None = None  # where each request's body is kept (the agent's folder, requests/)
 
     def add(self, rec: dict):
         with self.lock:
@@ -74,7 +75,8 @@ def sse_summary(raw: bytes) -> dict:
                     out["text"] += "".join(c.get("text", "") for c in item.get("content", []))
         elif kind == "message_start":
             u = ev["message"]["usage"]
-            out.update(input_tokens=u.get("input_tokens"), cached_tokens=u.get("cache_read_input_tokens"))
+            out.update(input_tokens=u.get("input_tokens", 0) + (u.get("cache_read_input_tokens") or 0),
+                       cached_tokens=u.get("cache_read_input_tokens"))
         elif kind == "content_block_start" and ev["content_block"]["type"] == "tool_use":
             out["tool_calls"].append({"name": ev["content_block"]["name"], "arguments": ""})
         elif kind == "content_block_delta":
@@ -83,8 +85,12 @@ def sse_summary(raw: bytes) -> dict:
                 out["tool_calls"][-1]["arguments"] += delta["partial_json"]
             elif delta["type"] == "text_delta":
                 out["text"] += delta["text"]
-        elif kind == "message_delta":
-            out["output_tokens"] = ev.get("usage", {}).get("output_tokens")
+        elif kind == "message_delta":  # the final usage: message_start goes out before the prefill
+            u = ev.get("usage", {})
+            out["output_tokens"] = u.get("output_tokens")
+            if u.get("input_tokens") is not None:  # Anthropic counts input after the cache
+                cached = u.get("cache_read_input_tokens") or 0
+                out.update(input_tokens=u["input_tokens"] + cached, cached_tokens=cached)
             out["stop_reason"] = ev["delta"].get("stop_reason")
         elif kind == "error" or "error" in ev and kind is None:
             out["error"] = ev.get("error") or ev.get("message")
@@ -102,6 +108,9 @@ def proxy_handler(rec: Recorder):
         def _forward(self):
             t0 = time.monotonic()
             body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            if rec.bodies is not None and body:  # to replay a request against a changed server
+                rec.bodies.mkdir(exist_ok=True)
+                (rec.bodies / f"{len(list(rec.bodies.iterdir())):03d}.json").write_bytes(body)
             headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
             conn = http.client.HTTPConnection(host, int(port), timeout=7200)
             conn.request(self.command, self.path, body=body, headers=headers)
@@ -113,15 +122,23 @@ def proxy_handler(rec: Recorder):
                     self.send_header(k, v)
             self.send_header("connection", "close")
             self.end_headers()
-            raw = bytearray()
+            raw, t_token, client_closed = bytearray(), None, None
             while chunk := resp.read1(65536):
                 raw += chunk
-                self.wfile.write(chunk)
-                self.wfile.flush()
+                # the first token: a text or tool-call delta (streams open before it, at the server's admission)
+                if t_token is None and b'_delta"' in chunk:
+                    t_token = time.monotonic()
+                try:
+                    self.wfile.write(chunk)
+                    self.wfile.flush()
+                except ConnectionError:
+                    client_closed = round(time.monotonic() - t0, 2)  # the agent gave up on this request
+                    break
             conn.close()
             summary = sse_summary(bytes(raw)) if self.command == "POST" else {}
             rec.add({"method": self.command, "path": self.path, "status": resp.status,
-                     "request_bytes": len(body), "ttft_s": round(t_headers - t0, 2),
+                     "request_bytes": len(body), "headers_s": round(t_headers - t0, 2),
+                     "ttft_s": None if t_token is None else round(t_token - t0, 2), "client_closed_s": client_closed,
                      "total_s": round(time.monotonic() - t0, 2), **summary,
                      **({"error_body": raw.decode("utf-8", "replace")[:1000]} if resp.status >= 400 else {})})
 
@@ -239,6 +256,7 @@ def run_agent(name: str, args, root: Path, rec: Recorder, server: str) -> dict:
     root.mkdir(parents=True, exist_ok=True)
     repo = scratch_repo(root)
     srv, base = start_proxy(rec)
+    rec.bodies = root / "requests"
     cmd, env = AGENTS[name](args, root, base, repo)
     first = len(rec.records)
     before = metrics(server)
@@ -272,6 +290,7 @@ def run_agent(name: str, args, root: Path, rec: Recorder, server: str) -> dict:
         "diff": diff,
         "prompt_tokens": [r["input_tokens"] for r in turns], "cached_tokens": [r["cached_tokens"] for r in turns],
         "output_tokens": [r["output_tokens"] for r in turns], "ttft_s": [r["ttft_s"] for r in turns],
+        "headers_s": [r["headers_s"] for r in turns], "client_closed_s": [r["client_closed_s"] for r in turns],
         "request_s": [r["total_s"] for r in turns],
         "metrics_delta": {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in after},
         "turns": reqs, "stderr_tail": stderr[-1500:], "stdout_tail": stdout[-1500:],
