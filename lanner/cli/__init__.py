@@ -1,4 +1,5 @@
-"""The `lanner` command line: serve, generate, chat, bench, eval-accept, eval-head, train-draft, rcsd, plugins.
+"""The `lanner` command line: serve, generate, chat, bench, eval-accept, eval-head, train-draft, train-curve,
+train-base, rcsd, plugins.
 
 A subcommand is one function in SUBCOMMANDS that adds its parser to the subparsers and sets `run` (a function of
 the parsed args returning an exit code or None). Heavy imports stay inside the `run` functions so that `--help`
