@@ -213,15 +213,19 @@ def test_train_base_streams_resumes_and_learns(tmp_path):
     args = dict(tokens=8_000, stop_at=0, max_len=64, pack_tokens=384, lr=3e-3, ttt_steps=3, eval_steps=3,
                 first_point=2000, checkpoint_minutes=0.0, seed=0, draft_vocab_size=V, width=0, no_resume=False)
     runs = {}
-    for name, stops in (("whole", [0]), ("resumed", [4000, 0])):
+    for name, stops in (("whole", [0]), ("resumed", [4000, 0]), ("committed", [4000, 0])):
         for stop in stops:
             a = Namespace(**{**args, "out": str(tmp_path / name), "stop_at": stop})
             runs[name] = train_stream(target, target, rows[:140], held, str(tmp_path / "f"), a, "tiny")
+            if name == "committed" and stop:  # another machine: the head and training.json, no optimizer state
+                (tmp_path / name / "train_state.pt").unlink()
     assert len(list((tmp_path / "f").iterdir())) == 3  # 140 rows: three shards, made once for both runs
-    whole, resumed = (torch.load(tmp_path / n / "train_state.pt", weights_only=False) for n in runs)
+    whole, resumed = (torch.load(tmp_path / n / "train_state.pt", weights_only=False) for n in ("whole", "resumed"))
     assert whole["tokens"] == resumed["tokens"] >= 8_000 and whole["chunk"] > 3  # into the second epoch
     assert all(torch.equal(whole["head"][k], resumed["head"][k]) for k in whole["head"])
     curve = runs["whole"]["curve"]
-    assert [r["tokens"] for r in curve] == [r["tokens"] for r in runs["resumed"]["curve"]]
+    assert [r["tokens"] for r in curve] == [r["tokens"] for r in runs["resumed"]["curve"]] == \
+        [r["tokens"] for r in runs["committed"]["curve"]]
+    assert runs["committed"]["curve"][-1]["held"]["agreement"][0] > curve[0]["held"]["agreement"][0] + 0.2
     assert curve[-1]["held"]["agreement"][0] > curve[0]["held"]["agreement"][0] + 0.2, curve
     assert (tmp_path / "whole" / "model.safetensors").exists() and (tmp_path / "whole" / "curve.png").exists()

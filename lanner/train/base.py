@@ -9,9 +9,10 @@ the features are still being made.
 
 At --first-point tokens and every doubling after it (and at the end), the head is scored on train-curve's
 held-out sets (the target's own greedy answers to held-out ShareGPT and MT-Bench prompts): first-token agreement
-and replay tau, which equals live tau (docs/draft-heads.md). The head is written to --out at each point, so the
-run is servable at any time. A checkpoint is saved every --checkpoint-minutes; rerunning the same command
-resumes. Costs are counted in CPU seconds of this process, so a run paused with SIGSTOP (while benchmarks run)
+and replay tau, which equals live tau (docs/draft-heads.md). At each point and every --checkpoint-minutes the
+head (servable), training.json (counters, cost, curve) and the full state with the optimizer (train_state.pt) are
+written to --out; SIGTERM stops at the next chunk's end, checkpointed. Rerunning the same command resumes: from
+train_state.pt, or on another machine from a committed head and its training.json (AdamW then restarts). Costs are counted in CPU seconds of this process, so a run paused with SIGSTOP (while benchmarks run)
 reports what it spent, not the wall time it waited.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import json
 import os
 import random
+import signal
 import sys
 import sysconfig
 import time
@@ -183,7 +185,7 @@ def train_stream(target, ftarget, stream: list[tuple[list[int], int]], held: dic
     """Train a new head on `stream` (rows in order; features of `ftarget` stored in `folder`), scoring it on
     `held` ({set: [(features, ids, prompt length)]}) at the curve's points, resuming from args.out's checkpoint.
     Stops at args.tokens, or after the chunk that reaches args.stop_at (checkpointed, to be continued)."""
-    from lanner.spec.draft_head import DraftHeadConfig
+    from lanner.spec.draft_head import DraftHead, DraftHeadConfig
     from lanner.train.curve import _step
     from lanner.train.eval_head import score_sequences
     from lanner.train.hass import TrainConfig, feature_shard, lr_schedule, new_head, pack_batches, target_to_draft
@@ -206,7 +208,9 @@ def train_stream(target, ftarget, stream: list[tuple[list[int], int]], held: dic
     packs = sum(len(pack_batches([len(r[0]) for r in c], list(range(len(c))), args.pack_tokens)) for c in chunks)
     lr_at = lr_schedule(cfg, max(1, round(packs * args.tokens / available)))  # cosine over the whole run
 
-    state_path = os.path.join(args.out, "train_state.pt")
+    # the full state (optimizer included) sits beside the head, which git ignores in lanner/drafts/; the head and
+    # training.json are what a commit carries from one machine to the next
+    state_path, record_path = os.path.join(args.out, "train_state.pt"), os.path.join(args.out, "training.json")
     st = {"step": 0, "chunk": 0, "tokens": 0, "loss_tokens": 0, "train_cpu_s": 0.0, "feature_cpu_s": 0.0,
           "curve": []}
     if os.path.exists(state_path) and not args.no_resume:
@@ -216,10 +220,23 @@ def train_stream(target, ftarget, stream: list[tuple[list[int], int]], held: dic
         st.update(saved)
         print(f"train-base: resumed at {st['tokens']} tokens (chunk {st['chunk']}, step {st['step']})",
               file=sys.stderr, flush=True)
+    elif os.path.exists(record_path) and not args.no_resume:  # a committed head: its weights and counters
+        with open(record_path) as f:
+            record = json.load(f)
+        saved = DraftHead.load(args.out)
+        if not torch.equal(saved.d2t, head.d2t):
+            sys.exit(f"train-base: the head in {args.out} has another draft vocabulary than these rows; "
+                     "use --no-resume or another --out")
+        head.load_state_dict(saved.state_dict())
+        st.update(record["state"], curve=record["curve"])
+        print(f"train-base: continuing the head in {args.out} at {st['tokens']} tokens (its optimizer state is "
+              "not committed: AdamW restarts)", file=sys.stderr, flush=True)
     os.makedirs(args.out, exist_ok=True)
     points = [p for p in _points(args.first_point, args.tokens) if p > st["tokens"]]
 
     def save_state():
+        head.save(args.out)
+        write_record(args, st, stream, available, model_name)
         torch.save({**st, "head": head.state_dict(), "opt": opt.state_dict()}, state_path + ".tmp")
         os.replace(state_path + ".tmp", state_path)
 
@@ -230,8 +247,6 @@ def train_stream(target, ftarget, stream: list[tuple[list[int], int]], held: dic
             row[name] = {k: s[k] for k in ("agreement", "replay_tau", "replay_accept_at", "coverage")}
         head.train()
         st["curve"].append(row)
-        head.save(args.out)
-        write_record(args, st, stream, available, model_name)
         if len(st["curve"]) > 2:
             curve = st["curve"][1:]  # a log axis: the untrained origin has no place on it
             report.line_chart(os.path.join(args.out, "curve.png"), [r["tokens"] for r in curve],
@@ -246,7 +261,9 @@ def train_stream(target, ftarget, stream: list[tuple[list[int], int]], held: dic
         evaluate()  # the untrained head: the curve's origin
     bar = tqdm(total=args.tokens, initial=st["tokens"], desc="train-base", unit="tok", unit_scale=True)
     last_save = time.monotonic()
-    while st["tokens"] < args.tokens and (not args.stop_at or st["tokens"] < args.stop_at):
+    stop = []  # SIGTERM: stop at the next chunk's end, checkpointed
+    before = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    while st["tokens"] < args.tokens and (not args.stop_at or st["tokens"] < args.stop_at) and not stop:
         i = st["chunk"] % len(chunks)
         c0 = time.process_time()
         items = feature_shard(ftarget, chunks[i], folder, i, layers, cfg.topk)
@@ -272,7 +289,8 @@ def train_stream(target, ftarget, stream: list[tuple[list[int], int]], held: dic
             save_state()
             last_save = time.monotonic()
     bar.close()
-    if st["tokens"] < args.tokens:  # --stop-at: continued by the same command
+    signal.signal(signal.SIGTERM, before)
+    if st["tokens"] < args.tokens:  # --stop-at or SIGTERM: continued by the same command
         save_state()
         print(f"stopped at {st['tokens']} tokens; the same command continues", file=sys.stderr)
         return st
@@ -289,6 +307,7 @@ def write_record(args, st: dict, stream, available: int, model: str):
         "command": "train-base", "model": model,
         "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool))},
         "rows": len(stream), "tokens_available": available,
+        "state": {k: st[k] for k in ("step", "chunk", "tokens", "loss_tokens", "train_cpu_s", "feature_cpu_s")},
         "cost": {"tokens": st["tokens"], "loss_tokens": st["loss_tokens"], "optimizer_steps": st["step"],
                  "train_cpu_s": st["train_cpu_s"], "feature_cpu_s": st["feature_cpu_s"],
                  "tokens_per_cpu_s": st["tokens"] / max(cpu, 1e-9), "threads": torch.get_num_threads()},
