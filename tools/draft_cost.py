@@ -1,0 +1,34 @@
+"""The EAGLE head's drafting cost against a plain decode step (issue 44, item 1): the bundled model, lowlat at 2
+threads, the engine's default dtype, 4 MT-Bench prompts x 96 greedy tokens, best of 2. Prints plain tok/s (so ms
+per decode step), the head's tau and its drafting ms per verify step (lanner_spec_propose_seconds), and whether
+the outputs are identical.
+Usage: python tools/draft_cost.py"""
+import time
+
+from lanner import LLM, SamplingParams
+from lanner.bench.compare import spec_counters, spec_summary
+from lanner.train.data import load_eval_set
+
+prompts = [it["turns"][0] for it in load_eval_set("mtbench", 4)]
+sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+res = {}
+for spec in ("none", "draft"):
+    kw = dict(spec=spec, plugin_options={"lowlat": {"threads": 2}})
+    if spec == "draft":
+        kw.update(draft="default", spec_tokens=3)
+    llm = LLM(**kw)
+    msgs = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    llm.generate(msgs[:1], SamplingParams(temperature=0, max_tokens=8))
+    before = spec_counters(llm.engine)
+    best = None
+    for _ in range(2):
+        t = time.perf_counter()
+        outs = [llm.generate([m], sp)[0] for m in msgs]
+        d = time.perf_counter() - t
+        best = d if best is None else min(best, d)
+    s = spec_summary(before, spec_counters(llm.engine))
+    res[spec] = (best, s, [o.token_ids for o in outs])
+    print(spec, f"wall {best:.2f} s for {len(msgs)}x96 tokens, {len(msgs) * 96 / best:.1f} tok/s",
+          {k: v for k, v in s.items() if not isinstance(v, dict)})
+    del llm
+print("identical", res["none"][2] == res["draft"][2])
