@@ -56,6 +56,8 @@ def add_arguments(p):
     p.add_argument("--heldout", default="sharegpt:20,mtbench:20", help="held-out sets, NAME:COUNT")
     p.add_argument("--max-new-tokens", type=int, default=96, help="length of the target's held-out answers")
     p.add_argument("--first-point", type=int, default=62_500, help="tokens at the first curve point (then doubling)")
+    p.add_argument("--features-ahead", action="store_true",
+                   help="only compute the feature shards of the chunks ahead of the --out run (a second process)")
     p.add_argument("--stop-at", type=int, default=0, metavar="TOKENS",
                    help="stop (checkpointed) once this many tokens are seen; the same command continues")
     p.add_argument("--checkpoint-minutes", type=float, default=10.0)
@@ -177,7 +179,29 @@ def run(args, engine_options: dict) -> dict:
     ftarget = load_model(eng.source, torch.bfloat16, "cpu", load_config(eng.source))[0]  # 2.4x float32's speed
     folder = feature_cache_dir(args.data, eng.source.name, layers, TrainConfig.topk, args.max_len,
                                torch.bfloat16)
+    if args.features_ahead:
+        return features_ahead(ftarget, stream, folder, args)
     return train_stream(target, ftarget, stream, held, folder, args, eng.source.name)
+
+
+def features_ahead(ftarget, stream, folder: str, args) -> dict:
+    """--features-ahead: compute the feature shards of the chunks after the training run's next one (read from
+    --out's training.json), so that the run, finding them stored, only trains. For a second core while nothing
+    is benchmarked; a shard is whole or absent, so the two processes never read a half-written one."""
+    from lanner.spec.draft_head import DraftHeadConfig
+    from lanner.train.hass import TrainConfig, feature_shard
+
+    layers = DraftHeadConfig.for_target(ftarget.cfg).feature_layers
+    chunks = [stream[i : i + CHUNK] for i in range(0, len(stream), CHUNK)]
+    record = os.path.join(args.out, "training.json")
+    done = 0
+    if os.path.exists(record):
+        with open(record) as f:
+            done = json.load(f).get("state", {}).get("chunk", 0)
+    first = done + 2  # the run itself may be computing the next one
+    for i in tqdm(range(first, len(chunks)), desc="features ahead", unit="chunk"):
+        feature_shard(ftarget, chunks[i], folder, i, layers, TrainConfig.topk)
+    return {"chunks": len(chunks) - first}
 
 
 def train_stream(target, ftarget, stream: list[tuple[list[int], int]], held: dict, folder: str, args,
