@@ -23,7 +23,8 @@ from lanner.engine.scheduler import QueueFullError
 log = logging.getLogger("lanner")
 
 
-ADMITTED = object()  # the engine thread's note that a request passed the queue: a stream may start before its first token
+# the engine thread's note that a request passed the queue: a stream may start before its first token
+ADMITTED = object()
 
 
 class EngineOverloadedError(RequestError):
@@ -87,8 +88,9 @@ class AsyncEngine:
         """Yields one RequestOutput per engine step that advanced the request; the last has finished=True.
         Raises RequestError (validation, or EngineOverloadedError when the queue is full) at the first
         iteration. admitted: first yield None as soon as the engine has queued the request, so a server can
-        answer a stream's headers while a long prompt waits or prefills. Leaving early aborts the request: at once on cancellation or aclose(); after a bare
-        `break`, only when the event loop finalizes the abandoned generator, so call aclose() there."""
+        answer a stream's headers while a long prompt waits or prefills. Leaving early aborts the request: at
+        once on cancellation or aclose(); after a bare `break`, only when the event loop finalizes the abandoned
+        generator, so call aclose() there."""
         if self.error is not None:
             raise EngineDeadError(self.error)
         # validation and tokenization happen here, before anything is queued, on a worker thread: a long prompt

@@ -103,8 +103,8 @@ class ChatPath:
     async def open(self, body: ChatCompletionRequest, request: Request, rid: str,
                    rename: Callable[[str], str], stream: bool) -> Started | None:
         """Prepares and submits; None if the client left meanwhile. A stream starts as soon as the engine has
-        queued the request (Started.first is None). A max_tokens past the context is cut to what
-        fits: it is an upper bound, and agents send their own model's (Claude Code: 32000)."""
+        queued the request (Started.first is None). A max_tokens past the context is cut to what fits: it is an
+        upper bound, and agents send their own model's (Claude Code: 32000)."""
         params, prompt_ids = await self.prompt(body, rename)
         room = self.engine.max_model_len - len(prompt_ids)
         if params.max_tokens is not None and room > 0:

@@ -12,8 +12,9 @@ held-out sets (the target's own greedy answers to held-out ShareGPT and MT-Bench
 and replay tau, which equals live tau (docs/draft-heads.md). At each point and every --checkpoint-minutes the
 head (servable), training.json (counters, cost, curve) and the full state with the optimizer (train_state.pt) are
 written to --out; SIGTERM stops at the next chunk's end, checkpointed. Rerunning the same command resumes: from
-train_state.pt, or on another machine from a committed head and its training.json (AdamW then restarts). Costs are counted in CPU seconds of this process, so a run paused with SIGSTOP (while benchmarks run)
-reports what it spent, not the wall time it waited.
+train_state.pt, or on another machine from a committed head and its training.json (AdamW then restarts).
+Costs are counted in CPU seconds of this process, so a run paused with SIGSTOP (while benchmarks run) reports
+what it spent, not the wall time it waited.
 """
 from __future__ import annotations
 
