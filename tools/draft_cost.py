@@ -1,7 +1,7 @@
 """The EAGLE head's drafting cost against a plain decode step (issue 44, item 1): the bundled model, lowlat at 2
 threads, the engine's default dtype, 4 MT-Bench prompts x 96 greedy tokens, best of 2. Prints plain tok/s (so ms
-per decode step), the head's tau and its drafting ms per verify step (lanner_spec_propose_seconds), and whether
-the outputs are identical.
+per decode step), the head's tau and its drafting ms per verify step (lanner_spec_propose_seconds), whether the
+outputs are identical, and where a draft's time goes (the proposer's parts, timed around their calls).
 Usage: python tools/draft_cost.py"""
 import time
 
@@ -32,3 +32,37 @@ for spec in ("none", "draft"):
           {k: v for k, v in s.items() if not isinstance(v, dict)})
     del llm
 print("identical", res["none"][2] == res["draft"][2])
+
+# where a head draft's time goes: the proposer's parts, timed around their calls (default head, k = 3)
+import collections  # noqa: E402
+
+from lanner.spec import proposers  # noqa: E402
+
+spent, calls = collections.defaultdict(float), collections.Counter()
+
+
+def timed(name, fn):
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            spent[name] += time.perf_counter() - t
+            calls[name] += 1
+    return wrapper
+
+
+P = proposers.DraftHeadProposer
+P.propose = timed("propose (all)", P.propose)
+P._forward = timed("draft-extend forward (plugin)", P._forward)
+P._chain = timed("chain of k - 1 steps (one C++ call)", P._chain)
+llm = LLM(spec="draft", draft="default", spec_tokens=3, plugin_options={"lowlat": {"threads": 2}})
+llm.engine.proposer.head.fuse = timed("feature fusion (fc, PyTorch)", llm.engine.proposer.head.fuse)
+msgs = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+llm.generate(msgs[:1], SamplingParams(temperature=0, max_tokens=8))
+spent.clear()
+calls.clear()
+for m in msgs:
+    llm.generate([m], sp)
+drafts = calls["propose (all)"]
+print(f"per draft ({drafts} drafts):", ", ".join(f"{k} {1e3 * v / drafts:.2f} ms" for k, v in spent.items()))
