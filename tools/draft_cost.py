@@ -3,10 +3,12 @@ threads, the engine's default dtype, 4 MT-Bench prompts x 96 greedy tokens, best
 per decode step), the head's tau and its drafting ms per verify step (lanner_spec_propose_seconds), whether the
 outputs are identical, and where a draft's time goes (the proposer's parts, timed around their calls).
 Usage: python tools/draft_cost.py"""
+import collections
 import time
 
 from lanner import LLM, SamplingParams
 from lanner.bench.compare import spec_counters, spec_summary
+from lanner.spec import proposers
 from lanner.train.data import load_eval_set
 
 prompts = [it["turns"][0] for it in load_eval_set("mtbench", 4)]
@@ -34,10 +36,6 @@ for spec in ("none", "draft"):
 print("identical", res["none"][2] == res["draft"][2])
 
 # where a head draft's time goes: the proposer's parts, timed around their calls (default head, k = 3)
-import collections  # noqa: E402
-
-from lanner.spec import proposers  # noqa: E402
-
 spent, calls = collections.defaultdict(float), collections.Counter()
 
 

@@ -43,6 +43,8 @@ CHUNK = 64  # rows per feature shard and per training chunk
 
 
 def add_arguments(p):
+    from lanner.train.curve import add_training_arguments
+
     p.add_argument("--out", required=True, help="folder of the head (config.json, model.safetensors, training.json)")
     p.add_argument("--data", default="data/train-base", help="cache folder: rows, held-out answers, features")
     p.add_argument("--tokens", type=int, default=8_000_000, help="training tokens (all positions) of the whole run")
@@ -51,11 +53,7 @@ def add_arguments(p):
     p.add_argument("--draft-vocab-size", type=int, default=4096)
     p.add_argument("--width", type=int, default=0, help="the head's MLP width (0: the target's)")
     p.add_argument("--pack-tokens", type=int, default=2048, help="tokens per packed forward (one optimizer step)")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (warmup, cosine to --tokens)")
-    p.add_argument("--ttt-steps", type=int, default=4, help="chained steps trained")
-    p.add_argument("--eval-steps", type=int, default=4, help="chain length of the replay")
-    p.add_argument("--heldout", default="sharegpt:20,mtbench:20", help="held-out sets, NAME:COUNT")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="length of the target's held-out answers")
+    add_training_arguments(p)
     p.add_argument("--first-point", type=int, default=62_500, help="tokens at the first curve point (then doubling)")
     p.add_argument("--features-ahead", action="store_true",
                    help="only compute the feature shards of the chunks ahead of the --out run (a second process)")

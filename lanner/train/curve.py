@@ -39,11 +39,7 @@ def add_arguments(p):
     p.add_argument("--tokens", type=int, default=200_000, help="training tokens (all positions) per configuration")
     p.add_argument("--points", type=int, default=5, help="evaluation points: tokens/2^(points-1) .. tokens")
     p.add_argument("--pack-tokens", type=int, default=2048, help="tokens per packed forward (0: one sequence)")
-    p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (warmup, cosine to --tokens)")
-    p.add_argument("--ttt-steps", type=int, default=4, help="chained steps trained")
-    p.add_argument("--eval-steps", type=int, default=4, help="chain length of the replay")
-    p.add_argument("--heldout", default="sharegpt:20,mtbench:20", help="held-out sets, NAME:COUNT")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="length of the target's held-out answers")
+    add_training_arguments(p)
     p.add_argument("--feature-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="dtype the target runs in for the training features (bf16: 2.4x faster on this CPU)")
     p.add_argument("--measure-packing", type=int, default=24, metavar="N",
@@ -60,6 +56,15 @@ def add_arguments(p):
     p.add_argument("--json", default=None, help="result file (default: OUT_DIR/train_curve.json)")
     p.add_argument("--out-dir", default="results")
     p.set_defaults(dtype="float32")  # the held-out answers: float32 greedy
+
+
+def add_training_arguments(p):
+    """The learning rate, chain lengths and held-out sets that train-curve and train-base share."""
+    p.add_argument("--lr", type=float, default=5e-4, help="peak AdamW learning rate (warmup, cosine to --tokens)")
+    p.add_argument("--ttt-steps", type=int, default=4, help="chained steps trained")
+    p.add_argument("--eval-steps", type=int, default=4, help="chain length of the replay")
+    p.add_argument("--heldout", default="sharegpt:20,mtbench:20", help="held-out sets, NAME:COUNT")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="length of the target's held-out answers")
 
 
 def parse_configs(text: str) -> list[tuple[int, int]]:
