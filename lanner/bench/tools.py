@@ -68,10 +68,35 @@ ASKS = [
     ("Save the text 'version = 2' into version.txt", "write_file"),
     ("Create notes/todo.md with a heading 'TODO' and one item 'fix tests'.", "write_file"),
 ]
+# a second twenty, written and committed before their first run, after the runs of ASKS: --asks heldout
+HELDOUT_ASKS = [
+    ("Will I need an umbrella in London this afternoon?", "get_weather"),
+    ("Give me the current temperature in Berlin in celsius.", "get_weather"),
+    ("What's it like outside in New York right now?", "get_weather"),
+    ("Tell me the weather in Sydney.", "get_weather"),
+    ("Read the file docs/index.md.", "read_file"),
+    ("What's in package.json?", "read_file"),
+    ("Let me see the whole of src/utils/helpers.py.", "read_file"),
+    ("Can you check what the Makefile in the root contains?", "read_file"),
+    ("Run `ls -la` for me.", "run_shell"),
+    ("How much disk space is free? Use df -h.", "run_shell"),
+    ("Run the linter: ruff check .", "run_shell"),
+    ("Show me the last five commits with git log.", "run_shell"),
+    ("Find the definition of class UserModel in the codebase.", "search_code"),
+    ("Search for uses of the deprecated function old_api across the repo.", "search_code"),
+    ("Where do we read the DATABASE_URL environment variable?", "search_code"),
+    ("Look for all occurrences of 'print(' in the tests folder.", "search_code"),
+    ("Write 'print(\"hello\")' to a new file hello.py.", "write_file"),
+    ("Create requirements.txt listing flask and requests.", "write_file"),
+    ("Put the line 'DEBUG=true' into a file named .env.", "write_file"),
+    ("Make a file CHANGELOG.md with the heading '# Changelog'.", "write_file"),
+]
 
 
 def add_arguments(p):
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--asks", choices=["dev", "heldout"], default="dev",
+                   help="the first twenty asks (dev) or the second, never developed on (heldout)")
     p.add_argument("--limit", type=int, default=None, help="run only the first N asks")
     p.add_argument("--system", choices=["assistant", "agent"], default="assistant",
                    help="the system prompt: a plain assistant's (the default) or an agent's")
@@ -146,7 +171,8 @@ def ask(client, model: str, system: str, question: str, max_tokens: int) -> dict
 def run(args, engine_options: dict) -> dict:
     import openai
 
-    asks = ASKS[: args.limit] if args.limit else ASKS
+    asks = HELDOUT_ASKS if args.asks == "heldout" else ASKS
+    asks = asks[: args.limit] if args.limit else asks
     system = AGENT_SYSTEM if args.system == "agent" else SYSTEM
     results = []
     with serving(engine_options) as (base, engine):
@@ -170,7 +196,7 @@ def run(args, engine_options: dict) -> dict:
           f"the tool the ask was written for: {expected}/{len(results)}")
     json_path, _ = output_paths(args.json, args.out_dir, "tool_calls_qwen")
     data = {"benchmark": "tools", "environment": environment(config), "model": config.model,
-            "tool_choice": "auto", "temperature": 0, "max_tokens": args.max_tokens, "passed": passed,
+            "asks_set": args.asks, "tool_choice": "auto", "temperature": 0, "max_tokens": args.max_tokens, "passed": passed,
             "asks": len(results), "streamed_same": same, "expected_tool_called": expected, "system": system,
             "tools": TOOLS, "results": results}
     write_json(json_path, data)
