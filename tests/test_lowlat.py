@@ -112,9 +112,9 @@ def test_bf16_speculation_is_lossless():
 
 
 def test_eagle_draft_head_steps():
-    """spec="draft" with the shipped EAGLE-style head: lowlat runs the target's VERIFY steps, the head's
-    DRAFT_EXTEND steps (its linears on lowlat's GEMV, checked against the own forward) and the greedy chain of
-    DRAFT steps in one C++ call; greedy output equals plain decoding."""
+    """spec="draft" with the shipped EAGLE-style head: lowlat runs the target's VERIFY steps and the head's whole
+    greedy drafting (fusion, draft-extend and chain) in one C++ call per step; greedy output equals plain
+    decoding."""
     llm = LLM(dtype="float32", weights="dequantize", spec="draft", draft="hass", plugin="lowlat", plugin_verify=1000,
               kv_cache_memory="0.25GiB")
     eng = llm.engine
@@ -122,7 +122,7 @@ def test_eagle_draft_head_steps():
     counts = dict(eng.plugins.counts)
     eng.plugins = eng.kv.runner.plugins = eng.proposer.plugins = None
     assert got == [o.token_ids for o in llm.generate(PROMPTS[:2], GREEDY)]
-    assert all(counts.get(("lowlat", k), 0) > 5 for k in ("verify", "draft_chain", "draft_extend")), counts
+    assert all(counts.get(("lowlat", k), 0) > 5 for k in ("verify", "draft_propose")), counts
     assert not any(k[0] == "none" for k in counts), counts
 
 
@@ -166,6 +166,50 @@ def test_draft_chain_matches_step_by_step(dtype):
     assert got.tolist() == [list(r) for r in zip(*want)]
     tol = 1e-5 if dtype == torch.float32 else 0.07  # bf16: an ulp here and there in the written K/V
     assert (kv.float() - kv_ref.float()).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_draft_propose_matches_extend_then_chain(dtype):
+    """The fused drafting call (fc, the draft-extend over each sequence's new rows, the chain) gives the tokens and
+    KV of the plugin's separate steps: fc and the extend on lowlat's GEMV with PyTorch attention, then the chain.
+    Three sequences with earlier context in their caches, 1, 3 and 5 new rows."""
+    from lanner.models.loader import ModelSource, load_model
+    from lanner.spec.draft_head import DraftHead
+    from lanner.spec.drafts import resolve_draft
+
+    target, cfg = load_model(ModelSource.resolve(None), dtype, "cpu")
+    head = DraftHead.load(resolve_draft("hass"), dtype, "cpu")
+    hw = Hardware.detect("cpu", dtype)
+    plug = LowLatPlugin()
+    plug.check(cfg, hw)
+    plug.build(target, cfg, hw)
+    bs, tables, steps = 16, [[4, 0, 9], [1, 2, 3], [5, 6, 7]], 4
+    before, q_lens = [17, 30, 9], [1, 3, 5]  # positions already in the head's cache, new rows
+    g = torch.Generator().manual_seed(1)
+    kv = (torch.randn(2, 10 * bs, head.Hkv, head.D, generator=g) * 0.5).to(dtype)
+    feats = torch.randn(sum(q_lens), 3 * cfg.hidden_size, generator=g).to(dtype)
+    tokens = torch.randint(0, 40000, (sum(q_lens),), generator=g)
+    positions = torch.tensor([p for b, n in zip(before, q_lens) for p in range(b, b + n)])
+    ctx = [b + n for b, n in zip(before, q_lens)]
+    last = torch.tensor(q_lens).cumsum(0) - 1
+    with torch.inference_mode():
+        kv_ref = kv.clone()
+        meta = build_attention_metadata(q_lens, ctx, tables, bs, "cpu")
+        hidden = plug.linear(feats, head.fc.weight)
+        logits, out = plug.forward(Step(StepKind.DRAFT_EXTEND, len(tokens), 3, "draft_head"), head, hidden,
+                                   target.embed_tokens(tokens), positions, kv_ref[0], kv_ref[1], meta)
+        first = head.d2t[logits[last].float().argmax(-1)]
+        rest = plug.draft_chain(head, target.embed_tokens.weight, out[last].contiguous(), first, torch.tensor(ctx),
+                                steps - 1, kv_ref[0], kv_ref[1], tables, bs)
+        want = torch.cat([first[:, None], rest], 1)
+        got = plug.draft_propose(head, target.embed_tokens.weight, feats, tokens, positions, q_lens, steps, kv[0],
+                                 kv[1], tables, bs)
+    assert got.tolist() == want.tolist()
+    tol = 1e-5 if dtype == torch.float32 else 0.07  # bf16: an ulp here and there in the written K/V
+    assert (kv.float() - kv_ref.float()).abs().max().item() <= tol
+    with pytest.raises(RuntimeError, match="q_lens"):
+        plug.draft_propose(head, target.embed_tokens.weight, feats, tokens, positions, [1, 3, 4], steps, kv[0],
+                           kv[1], tables, bs)
 
 
 def test_kernels_match_torch(llm32_lowlat):

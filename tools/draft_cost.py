@@ -54,6 +54,7 @@ P = proposers.DraftHeadProposer
 P.propose = timed("propose (all)", P.propose)
 P._forward = timed("draft-extend forward (plugin)", P._forward)
 P._chain = timed("chain of k - 1 steps (one C++ call)", P._chain)
+P._fused = timed("fused: fusion + draft-extend + chain (one C++ call)", P._fused)
 llm = LLM(spec="draft", draft="default", spec_tokens=3, plugin_options={"lowlat": {"threads": 2}})
 llm.engine.proposer.head.fuse = timed("feature fusion (fc, PyTorch)", llm.engine.proposer.head.fuse)
 msgs = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]

@@ -205,19 +205,20 @@ class PluginRuntime:
         out = self._guarded(plugin, "argmax", lambda: fused(step, model, hidden), verify)
         return model.compute_logits(hidden).argmax(-1) if out is _FAILED else out
 
-    def draft_chain(self, step: Step, head, *args):
+    def draft_chain(self, step: Step, head, *args, method: str = "draft_chain"):
         """A draft head's whole greedy chain in one plugin call (no Python between draft steps), from the first
         active plugin that covers the step and has a `draft_chain(head, *args)` method; None when none does (or
-        it declines, or it failed: then it is disabled), and the caller runs the chain step by step."""
+        it declines, or it failed: then it is disabled), and the caller runs the chain step by step.
+        method="draft_propose": the draft-extend before the chain in the same call (`draft_propose(head, *args)`)."""
         for plugin in self.active:
-            chain = getattr(plugin, "draft_chain", None)
+            chain = getattr(plugin, method, None)
             if chain is None:
                 continue
 
             def call():
                 return chain(head, *args) if plugin.covers(step) else _SKIPPED
 
-            out = self._guarded(plugin, "draft_chain", call, declines=True)
+            out = self._guarded(plugin, method, call, declines=True)
             if out is not _SKIPPED:
                 return None if out is _FAILED else out
         return None

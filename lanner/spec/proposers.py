@@ -223,7 +223,11 @@ class DraftHeadProposer(Proposer):
             st.features = None
         # the chain's d_j enters at position num_tokens - 2 + j (a tree's expanded nodes take one slot each)
         tables = self._tables(requests, states, [r.num_tokens - 1 + max(k, self.tree) for r, k in zip(requests, ks)])
-        hidden = self.head.fuse(torch.cat(feats).to(self.head.fc.weight.dtype))
+        feats = torch.cat(feats).to(self.head.fc.weight.dtype)
+        fused = self._fused(requests, tables, ks, feats, tokens, positions, q_lens)
+        if fused is not None:
+            return [Draft(d) for d in fused]
+        hidden = self.head.fuse(feats)
         logits, out = self._forward(StepKind.DRAFT_EXTEND, hidden, tokens, positions, q_lens, ctx_lens, tables)
         rows = torch.tensor(last_rows, device=self.device)
         logits, g = logits[rows].float(), out[rows]
@@ -324,6 +328,19 @@ class DraftHeadProposer(Proposer):
             ids = self.head.d2t[torch.tensor([tok[i][n] for n in keep], dtype=torch.long, device=self.device)]
             drafts.append(Draft(ids.tolist(), parents=[index[par[i][n]] if par[i][n] >= 0 else -1 for n in keep]))
         return drafts
+
+    def _fused(self, requests, tables, ks, feats, tokens, positions, q_lens):
+        """All greedy with one k >= 1 and no tree: a plugin may run the fusion, the draft-extend and the chain in
+        one call (drafting with no Python between its parts). Returns each request's draft, or None."""
+        k = ks[0]
+        if self.plugins is None or self.tree or k < 1 or any(x != k for x in ks) or \
+                not all(r.params.greedy for r in requests):
+            return None
+        out = self.plugins.draft_chain(Step(StepKind.DRAFT, len(requests), len(requests), "draft_head"), self.head,
+                                       self.embed_weight, feats, torch.tensor(tokens), torch.tensor(positions),
+                                       q_lens, k, self.kv[0], self.kv[1], tables, self.block_size,
+                                       method="draft_propose")
+        return None if out is None else out.tolist()
 
     def _chain(self, requests, tables, active, ks, logits, g):
         """All greedy with one k: a plugin may run the k - 1 chained draft steps in one call (same tokens, no Python

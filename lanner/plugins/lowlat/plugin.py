@@ -363,6 +363,19 @@ class LowLatPlugin(Plugin):
             return kernel.chain(hidden.contiguous(), tokens, positions, steps, k_cache, v_cache, block_tables,
                                 block_size)
 
+    def draft_propose(self, head, embed_weight, features, tokens, positions, q_lens, steps, k_cache, v_cache,
+                      block_tables, block_size):
+        """A draft-extend and the greedy chain after it in one C++ call: features [T, 3h] (the target's) with
+        tokens and positions [T] over sequences of q_lens rows write the head's KV; from each sequence's last
+        row, `steps` greedy draft tokens follow. Returns int64 [B, steps] (target ids), or None for a head lowlat
+        cannot run."""
+        kernel = self._head_kernel(head, embed_weight)
+        if kernel is None or len(q_lens) > self.max_batch or features.dtype != self.hardware.dtype:
+            return None
+        with self._lock:
+            return kernel.propose(features.contiguous(), tokens, positions, q_lens, steps, k_cache, v_cache,
+                                  block_tables, block_size)
+
     def _head_kernel(self, head, embed_weight):
         entry = self._others.get(id(head))
         if entry is None or entry[0]() is not head:

@@ -4,21 +4,23 @@
 
 namespace lowlat {
 
-// The EAGLE-style draft head's greedy chain in one call: k steps of (target embedding of the last draft token,
+// The EAGLE-style draft head's greedy drafting in one call per engine step: the draft-extend over the verified
+// tokens (propose) and then k steps of (target embedding of the last draft token,
 // two norms, QKV GEMV + RoPE + KV write, attention over the head's own paged cache, o_proj + residual, MLP,
 // final norm, LM head over the draft vocabulary, argmax, draft -> target id) with no Python between steps. A
 // Model with no layers lends its norm, attention, SiLU*up and scratch; the arithmetic and rounding are the
 // plugin's Python head path (DraftHead.forward), so the tokens are the same.
 struct Head {
   Model m;
-  torch::Tensor in_norm, hid_norm, qkv_w, o_w, post_norm, gu_w, down_w, lm_w, d2t;
-  int64_t vd;
+  torch::Tensor fc_w, in_norm, hid_norm, qkv_w, o_w, post_norm, gu_w, down_w, lm_w, d2t;
+  int64_t vd, kf;
 
-  // w: the head's tensors by name (plugin.py's pack.head_weights): embed_tokens (the target's), input_layernorm,
+  // w: the head's tensors by name (plugin.py's pack.head_weights): embed_tokens (the target's), fc, input_layernorm,
   // hidden_norm, qkv_proj, o_proj, post_attention_layernorm, gate_up_proj, down_proj, norm, lm_head, d2t,
   // rope_cos, rope_sin; opt: as a Model's
   Head(const Args& w, const Args& opt)
-      : m(w.subset({"embed_tokens", "norm", "rope_cos", "rope_sin"}), opt), in_norm(w.tensor("input_layernorm")),
+      : m(w.subset({"embed_tokens", "norm", "rope_cos", "rope_sin"}), opt), fc_w(w.tensor("fc")),
+        in_norm(w.tensor("input_layernorm")),
         hid_norm(w.tensor("hidden_norm")), qkv_w(w.tensor("qkv_proj")), o_w(w.tensor("o_proj")),
         post_norm(w.tensor("post_attention_layernorm")), gu_w(w.tensor("gate_up_proj")),
         down_w(w.tensor("down_proj")), lm_w(w.tensor("lm_head")), d2t(w.tensor("d2t")) {
@@ -31,6 +33,8 @@ struct Head {
                   t.sizes());
     };
     vd = lm_w.size(0);
+    kf = fc_w.size(1);
+    chk(fc_w, {hidden, kf}, "fc");
     chk(in_norm, {hidden}, "input_layernorm");
     chk(hid_norm, {hidden}, "hidden_norm");
     chk(qkv_w, {(H + 2 * Hkv) * D, 2 * hidden}, "qkv_proj");
@@ -154,6 +158,155 @@ struct Head {
     }
   }
 
+  // The draft-extend's rows before each sequence's last one: fc(features) -> the two norms -> the K / V rows of
+  // qkv_proj -> RoPE on K -> the head's cache. Their q, attention and everything after are never read (only a
+  // sequence's last row drafts), so they are skipped. The last rows' fused hidden goes to xl [B, h] (model dtype):
+  // run() takes them as a chain step's input. rows_of[t] is row t's sequence, last[b] sequence b's last row.
+  template <typename WT, typename XT>
+  void extend(const WT* f, const int64_t* tok, const int64_t* pos, int64_t T, const std::vector<int64_t>& rows_of,
+              const std::vector<int64_t>& last, const std::vector<std::vector<int64_t>>& bts, int64_t bs, WT* kc,
+              WT* vc, WT* xl) {
+    const int64_t h = m.hidden, H = m.H, Hkv = m.Hkv, D = m.D, nqkv = (H + 2 * Hkv) * D, B = int64_t(last.size());
+    std::vector<int64_t> early;  // the rows that only write K / V
+    for (int64_t t = 0, b = 0; t < T; t++) {
+      if (b < B && t == last[b]) b++;
+      else early.push_back(t);
+    }
+    const int64_t n = int64_t(early.size());
+    std::vector<XT> fin;  // the features as GEMV input (bf16 weights with float activations: widened)
+    const XT* fx;
+    if constexpr (std::is_same<WT, XT>::value) {
+      fx = f;
+    } else {
+      fin.resize(T * kf);
+      for (int64_t i = 0; i < T * kf; i++) fin[i] = ldf(f, i);
+      fx = fin.data();
+    }
+    std::vector<float> hid(T * h), e(n * h), kv(n * nqkv);
+    std::vector<XT> xin2(n * 2 * h);
+    const WT* emb = reinterpret_cast<const WT*>(m.embed.data_ptr());
+    const float* cosT = m.cos.data_ptr<float>();
+    const float* sinT = m.sin.data_ptr<float>();
+#pragma omp parallel num_threads(m.nthreads)
+    {
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      int64_t a, b_;
+      split(h, 16, tid, nt, a, b_);
+      gemv<WT, XT>(ptr<WT>(fc_w), kf, a, b_, fx, kf, int(T), hid.data(), h);
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t i = a; i < b_; i++) hid[t * h + i] = rnd<WT>(hid[t * h + i]);
+#pragma omp barrier
+      split(n, 1, tid, nt, a, b_);
+      for (int64_t r = a; r < b_; r++) {
+        const int64_t t = early[r];
+        for (int64_t i = 0; i < h; i++) e[r * h + i] = ldf(emb, tok[t] * h + i);
+        m.rmsnorm<WT, XT>(e.data() + r * h, ptr<WT>(in_norm), xin2.data() + r * 2 * h, 0, 1);
+        m.rmsnorm<WT, XT>(hid.data() + t * h, ptr<WT>(hid_norm), xin2.data() + r * 2 * h + h, 0, 1);
+      }
+#pragma omp barrier
+      int64_t h0, h1;
+      split(2 * Hkv, 1, tid, nt, h0, h1);
+      h0 += H;
+      h1 += H;
+      if (n > 0) gemv<WT, XT>(ptr<WT>(qkv_w), 2 * h, h0 * D, h1 * D, xin2.data(), 2 * h, int(n), kv.data(), nqkv);
+      float v[512], rot[512];
+      for (int64_t r = 0; r < n; r++) {
+        const int64_t t = early[r], p = pos[t];
+        const int64_t slot = bts[rows_of[t]][p / bs] * bs + p % bs;
+        for (int64_t hh = h0; hh < h1; hh++) {
+          const float* src = kv.data() + r * nqkv + hh * D;
+          for (int64_t d = 0; d < D; d++) v[d] = rnd<WT>(src[d]);
+          if (hh < H + Hkv) rope_row<WT>(v, rot, cosT + p * D, sinT + p * D, D);
+          WT* dst = (hh < H + Hkv ? kc : vc) + (slot * Hkv + (hh < H + Hkv ? hh - H : hh - H - Hkv)) * D;
+          for (int64_t d = 0; d < D; d++) stf<WT>(dst, d, v[d]);
+        }
+      }
+    }
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t i = 0; i < h; i++) stf<WT>(xl, b * h + i, hid[last[b] * h + i]);
+  }
+
+  // propose(features [T, kf] (the target's, per row), tokens [T], positions [T] (row t: (features at p, token
+  // p + 1) at position p), q_lens [B] (rows per sequence, in order), steps, k_cache, v_cache, block_tables,
+  // block_size) -> int64 [B, steps]: each sequence's next `steps` greedy draft tokens (target ids), the first from
+  // its last row. The draft-extend and the chain in one call: the tokens of DraftHead's extend (the head's
+  // arithmetic with lowlat's GEMV) followed by chain().
+  torch::Tensor propose(torch::Tensor f, torch::Tensor tokens, torch::Tensor positions, std::vector<int64_t> q_lens,
+                        int64_t steps, torch::Tensor kc, torch::Tensor vc, std::vector<std::vector<int64_t>> bts,
+                        int64_t bs) {
+    const auto wdt = m.bf16 ? torch::kBFloat16 : torch::kFloat32;
+    const int64_t T = f.size(0), B = int64_t(q_lens.size());
+    TORCH_CHECK(f.dim() == 2 && f.size(1) == kf && f.scalar_type() == wdt && f.is_contiguous() && T >= 1,
+                "lowlat head: features must be contiguous [T, ", kf, "] ", wdt);
+    TORCH_CHECK(tokens.numel() == T && positions.numel() == T && tokens.scalar_type() == torch::kLong &&
+                    positions.scalar_type() == torch::kLong && tokens.is_contiguous() && positions.is_contiguous(),
+                "lowlat head: tokens and positions must be int64 [T]");
+    TORCH_CHECK(B >= 1 && B <= m.max_rows && (int64_t)bts.size() == B && steps >= 1,
+                "lowlat head: 1..", m.max_rows, " sequences with a block table each, steps >= 1");
+    check_cache(kc, vc);
+    const int64_t* tp = tokens.data_ptr<int64_t>();
+    const int64_t* pp = positions.data_ptr<int64_t>();
+    std::vector<int64_t> rows_of(T), last(B);
+    for (int64_t b = 0, t = 0; b < B; b++) {
+      TORCH_CHECK(q_lens[b] >= 1 && t + q_lens[b] <= T, "lowlat head: q_lens must be >= 1 and sum to T");
+      for (int64_t i = 0; i < q_lens[b]; i++, t++) {
+        rows_of[t] = b;
+        check_row(tp[t], pp[t], i + 1 == q_lens[b] ? steps : 1, bts[b], bs, kc.size(0));
+      }
+      last[b] = t - 1;
+      TORCH_CHECK(b + 1 < B || t == T, "lowlat head: q_lens must sum to T");
+    }
+    auto xl = torch::empty({B, m.hidden}, f.options());
+    std::vector<int64_t> tok(B), pos(B);
+    for (int64_t b = 0; b < B; b++) tok[b] = tp[last[b]], pos[b] = pp[last[b]];
+    auto out = torch::empty({B, steps}, torch::TensorOptions().dtype(torch::kLong));
+    int64_t* op = out.data_ptr<int64_t>();
+    pybind11::gil_scoped_release nogil;
+    dispatch(kc, vc, [&](auto w, auto x, auto* k, auto* v) {
+      using WT = decltype(w);
+      using XT = decltype(x);
+      auto xp = reinterpret_cast<WT*>(xl.data_ptr());
+      extend<WT, XT>(reinterpret_cast<const WT*>(f.data_ptr()), tp, pp, T, rows_of, last, bts, bs, k, v, xp);
+      run<WT, XT>(xp, tok.data(), pos.data(), B, steps, bts, bs, k, v, op);
+    });
+    return out;
+  }
+
+  // fn(WT(), XT(), WT* k_cache, WT* v_cache) for the head's (weight, activation) storage types
+  template <typename Fn>
+  void dispatch(torch::Tensor& kc, torch::Tensor& vc, Fn&& fn) {
+    if (m.bf16) {
+      auto k = reinterpret_cast<bf16_t*>(kc.data_ptr());
+      auto v = reinterpret_cast<bf16_t*>(vc.data_ptr());
+      if (m.dot) {
+#ifdef __AVX512BF16__
+        fn(bf16_t(), bf16_t(), k, v);
+#endif
+      } else {
+        fn(bf16_t(), float(), k, v);
+      }
+    } else {
+      fn(float(), float(), kc.data_ptr<float>(), vc.data_ptr<float>());
+    }
+  }
+
+  void check_cache(const torch::Tensor& kc, const torch::Tensor& vc) const {
+    const auto wdt = m.bf16 ? torch::kBFloat16 : torch::kFloat32;
+    TORCH_CHECK(kc.dim() == 3 && kc.size(1) == m.Hkv && kc.size(2) == m.D && kc.scalar_type() == wdt &&
+                    vc.sizes() == kc.sizes() && kc.is_contiguous() && vc.is_contiguous(),
+                "lowlat head: kv caches must be contiguous [slots, ", m.Hkv, ", ", m.D, "]");
+  }
+
+  // a row whose token enters at position p, after which positions p .. p + n - 1 are written (and all before read)
+  void check_row(int64_t token, int64_t p, int64_t n, const std::vector<int64_t>& bt, int64_t bs,
+                 int64_t slots) const {
+    TORCH_CHECK(token >= 0 && token < m.vocab, "lowlat head: token id out of range");
+    TORCH_CHECK(p >= 0 && p + n <= m.max_pos && (int64_t)bt.size() * bs >= p + n,
+                "lowlat head: positions ", p, " .. ", p + n - 1, " do not fit the block table / rotary table");
+    for (int64_t j = 0; j < (p + n + bs - 1) / bs; j++)
+      TORCH_CHECK(bt[j] >= 0 && (bt[j] + 1) * bs <= slots, "lowlat head: block outside the cache");
+  }
+
   // chain(hidden [B, h] (the head's output at the last extended position), tokens [B] (the first draft token),
   // positions [B] (where that token enters), steps, k_cache, v_cache [slots, Hkv, D], block_tables, block_size)
   // -> int64 [B, steps]: the next `steps` greedy draft tokens (target ids)
@@ -166,37 +319,18 @@ struct Head {
     TORCH_CHECK(tokens.numel() == B && positions.numel() == B && tokens.scalar_type() == torch::kLong &&
                     positions.scalar_type() == torch::kLong && tokens.is_contiguous() && positions.is_contiguous() &&
                     (int64_t)bts.size() == B && steps >= 0, "lowlat head: tokens/positions/block tables per row");
-    TORCH_CHECK(kc.dim() == 3 && kc.size(1) == m.Hkv && kc.size(2) == m.D && kc.scalar_type() == wdt &&
-                    vc.sizes() == kc.sizes() && kc.is_contiguous() && vc.is_contiguous(),
-                "lowlat head: kv caches must be contiguous [slots, ", m.Hkv, ", ", m.D, "]");
-    const int64_t* tp = tokens.data_ptr<int64_t>();
-    const int64_t* pp = positions.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; b++) {
-      TORCH_CHECK(tp[b] >= 0 && tp[b] < m.vocab, "lowlat head: token id out of range");
-      TORCH_CHECK(pp[b] >= 0 && pp[b] + steps <= m.max_pos && (int64_t)bts[b].size() * bs >= pp[b] + steps,
-                  "lowlat head: row ", b, " does not fit its block table / rotary table");
-      for (int64_t j = 0; j < (pp[b] + steps + bs - 1) / bs; j++)
-        TORCH_CHECK(bts[b][j] >= 0 && (bts[b][j] + 1) * bs <= kc.size(0), "lowlat head: block outside the cache");
-    }
+    check_cache(kc, vc);
     auto out = torch::empty({B, steps}, torch::TensorOptions().dtype(torch::kLong));
     if (steps == 0) return out;
+    const int64_t* tp = tokens.data_ptr<int64_t>();
+    const int64_t* pp = positions.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++) check_row(tp[b], pp[b], steps, bts[b], bs, kc.size(0));
     int64_t* op = out.data_ptr<int64_t>();
     pybind11::gil_scoped_release nogil;
-    if (m.bf16) {
-      auto gp = reinterpret_cast<const bf16_t*>(g.data_ptr());
-      auto k = reinterpret_cast<bf16_t*>(kc.data_ptr());
-      auto v = reinterpret_cast<bf16_t*>(vc.data_ptr());
-      if (m.dot) {
-#ifdef __AVX512BF16__
-        run<bf16_t, bf16_t>(gp, tp, pp, B, steps, bts, bs, k, v, op);
-#endif
-      } else {
-        run<bf16_t, float>(gp, tp, pp, B, steps, bts, bs, k, v, op);
-      }
-    } else {
-      run<float, float>(g.data_ptr<float>(), tp, pp, B, steps, bts, bs, kc.data_ptr<float>(), vc.data_ptr<float>(),
-                        op);
-    }
+    dispatch(kc, vc, [&](auto w, auto x, auto* k, auto* v) {
+      using WT = decltype(w);
+      run<WT, decltype(x)>(reinterpret_cast<const WT*>(g.data_ptr()), tp, pp, B, steps, bts, bs, k, v, op);
+    });
     return out;
   }
 };

@@ -94,5 +94,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init([](const pybind11::dict& tensors, const pybind11::kwargs& options) {
              return lowlat::build<lowlat::Head>(tensors, options, "lowlat.Head");
            }), "Head(tensors, **options): see Head::Head (csrc/head.h)")
-      .def("chain", &lowlat::Head::chain);
+      .def("chain", &lowlat::Head::chain)
+      .def("propose", &lowlat::Head::propose);
 }
