@@ -137,7 +137,7 @@ def test_draft_chain_matches_step_by_step(dtype):
     target, cfg = load_model(ModelSource.resolve(None), dtype, "cpu")
     head = DraftHead.load(resolve_draft("hass"), dtype, "cpu")
     hw = Hardware.detect("cpu", dtype)
-    plug = LowLatPlugin()
+    plug = LowLatPlugin(head_weights="dense")
     plug.check(cfg, hw)
     plug.build(target, cfg, hw)
     bs, tables, lens, steps = 16, [[4, 0, 9], [1, 2, 3], [5, 6, 7]], [20, 33, 40], 5
@@ -172,7 +172,8 @@ def test_draft_chain_matches_step_by_step(dtype):
 def test_draft_propose_matches_extend_then_chain(dtype):
     """The fused drafting call (fc, the draft-extend over each sequence's new rows, the chain) gives the tokens and
     KV of the plugin's separate steps: fc and the extend on lowlat's GEMV with PyTorch attention, then the chain.
-    Three sequences with earlier context in their caches, 1, 3 and 5 new rows."""
+    Three sequences with earlier context in their caches, 1, 3 and 5 new rows. With the head's matrices in Q8_0
+    blocks (head_weights="q8", the default) the written K/V stay within Q8_0's error of the dense head's."""
     from lanner.models.loader import ModelSource, load_model
     from lanner.spec.draft_head import DraftHead
     from lanner.spec.drafts import resolve_draft
@@ -180,9 +181,10 @@ def test_draft_propose_matches_extend_then_chain(dtype):
     target, cfg = load_model(ModelSource.resolve(None), dtype, "cpu")
     head = DraftHead.load(resolve_draft("hass"), dtype, "cpu")
     hw = Hardware.detect("cpu", dtype)
-    plug = LowLatPlugin()
-    plug.check(cfg, hw)
-    plug.build(target, cfg, hw)
+    plug, plug_q8 = LowLatPlugin(head_weights="dense"), LowLatPlugin()
+    for p in (plug, plug_q8):
+        p.check(cfg, hw)
+        p.build(target, cfg, hw)
     bs, tables, steps = 16, [[4, 0, 9], [1, 2, 3], [5, 6, 7]], 4
     before, q_lens = [17, 30, 9], [1, 3, 5]  # positions already in the head's cache, new rows
     g = torch.Generator().manual_seed(1)
@@ -202,11 +204,17 @@ def test_draft_propose_matches_extend_then_chain(dtype):
         rest = plug.draft_chain(head, target.embed_tokens.weight, out[last].contiguous(), first, torch.tensor(ctx),
                                 steps - 1, kv_ref[0], kv_ref[1], tables, bs)
         want = torch.cat([first[:, None], rest], 1)
+        kv_q8 = kv.clone()
         got = plug.draft_propose(head, target.embed_tokens.weight, feats, tokens, positions, q_lens, steps, kv[0],
                                  kv[1], tables, bs)
+        plug_q8.draft_propose(head, target.embed_tokens.weight, feats, tokens, positions, q_lens, steps, kv_q8[0],
+                              kv_q8[1], tables, bs)
     assert got.tolist() == want.tolist()
     tol = 1e-5 if dtype == torch.float32 else 0.07  # bf16: an ulp here and there in the written K/V
     assert (kv.float() - kv_ref.float()).abs().max().item() <= tol
+    rows = [t * bs + i for t in tables[0] for i in range(bs)]  # one sequence's slots, written and not
+    err = (kv_q8.float() - kv.float())[:, rows].abs().max().item()
+    assert 0 < err <= 0.03 * kv.float()[:, rows].abs().max().item()
     with pytest.raises(RuntimeError, match="q_lens"):
         plug.draft_propose(head, target.embed_tokens.weight, feats, tokens, positions, [1, 3, 4], steps, kv[0],
                            kv[1], tables, bs)

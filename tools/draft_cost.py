@@ -2,7 +2,8 @@
 threads, the engine's default dtype, 4 MT-Bench prompts x 96 greedy tokens, best of 2. Prints plain tok/s (so ms
 per decode step), the head's tau and its drafting ms per verify step (lanner_spec_propose_seconds), whether the
 outputs are identical, and where a draft's time goes (the proposer's parts, timed around their calls).
-Usage: python tools/draft_cost.py"""
+Usage: python tools/draft_cost.py [--head-weights q8|dense]"""
+import argparse
 import collections
 import time
 
@@ -11,11 +12,14 @@ from lanner.bench.compare import spec_counters, spec_summary
 from lanner.spec import proposers
 from lanner.train.data import load_eval_set
 
+ap = argparse.ArgumentParser()
+ap.add_argument("--head-weights", default="q8", choices=("q8", "dense"), help="lowlat's head_weights option")
+lowlat = {"threads": 2, "head_weights": ap.parse_args().head_weights}
 prompts = [it["turns"][0] for it in load_eval_set("mtbench", 4)]
 sp = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
 res = {}
 for spec in ("none", "draft"):
-    kw = dict(spec=spec, plugin_options={"lowlat": {"threads": 2}})
+    kw = dict(spec=spec, plugin_options={"lowlat": lowlat})
     if spec == "draft":
         kw.update(draft="default", spec_tokens=3)
     llm = LLM(**kw)
@@ -55,7 +59,7 @@ P.propose = timed("propose (all)", P.propose)
 P._forward = timed("draft-extend forward (plugin)", P._forward)
 P._chain = timed("chain of k - 1 steps (one C++ call)", P._chain)
 P._fused = timed("fused: fusion + draft-extend + chain (one C++ call)", P._fused)
-llm = LLM(spec="draft", draft="default", spec_tokens=3, plugin_options={"lowlat": {"threads": 2}})
+llm = LLM(spec="draft", draft="default", spec_tokens=3, plugin_options={"lowlat": lowlat})
 llm.engine.proposer.head.fuse = timed("feature fusion (fc, PyTorch)", llm.engine.proposer.head.fuse)
 msgs = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
 llm.generate(msgs[:1], SamplingParams(temperature=0, max_tokens=8))

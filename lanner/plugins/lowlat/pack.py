@@ -4,9 +4,10 @@ GGUF blocks kept as stored. The model's own tensors, no copies: the kernels keep
 to a weight shows in their next call."""
 from __future__ import annotations
 
+import gguf
 import torch
 
-from lanner.models.quant import STORED_MODULES
+from lanner.models.quant import STORED_MODULES, interleave, repack
 from lanner.plugins.base import PluginMismatch
 
 
@@ -120,6 +121,20 @@ def stored_weights(model) -> list:
           for m in (lyr.self_attn.qkv_proj, lyr.self_attn.o_proj, getattr(lyr.mlp, "gate_up_proj", None),
                     getattr(lyr.mlp, "down_proj", None))]
     return [*ws, packed(model.embed_tokens)]
+
+
+HEAD_MATRICES = ("fc", "qkv_proj", "o_proj", "mlp.gate_up_proj", "mlp.down_proj", "lm_head")
+
+
+def head_q8(head) -> list[list[torch.Tensor]]:
+    """Head.set_quant's weights: the head's six matrices (HEAD_MATRICES) quantized to Q8_0 by gguf's quantizer and
+    repacked into the stored-type layout (lanner.models.quant), as a GGUF Q8_0 file would load."""
+    out = []
+    for name in HEAD_MATRICES:
+        w = head.get_submodule(name).weight.detach().float().numpy()
+        raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+        out.append(interleave(repack(raw, "Q8_0", w.shape[1])))
+    return out
 
 
 def head_weights(head, embed_weight) -> tuple[dict, dict]:

@@ -83,7 +83,7 @@ class LowLatPlugin(Plugin):
     Q8_FROM = 1_000_000_000
     OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
                                "isa": str, "allreduce": str, "timeout_s": (int, float), "act": str,
-                               "invariant": bool}
+                               "invariant": bool, "head_weights": str}
 
     def __init__(self, **options):
         check_options("lowlat", options, self.OPTIONS)
@@ -96,6 +96,10 @@ class LowLatPlugin(Plugin):
         self.timeout_s = options.get("timeout_s")
         self.act = options.get("act", "auto")
         self.invariant = options.get("invariant")
+        # an EAGLE head's matrices: "q8" (Q8_0 blocks, made at load) or "dense" (its own dtype)
+        self.head_weights = options.get("head_weights", "q8")
+        if self.head_weights not in ("q8", "dense"):
+            raise ValueError(f"plugin lowlat: head_weights must be 'q8' or 'dense', got {self.head_weights!r}")
         if self.act not in ("auto", *self.ACT_MODES):
             raise ValueError(f"plugin lowlat: act must be 'auto' or one of {list(self.ACT_MODES)}, got {self.act!r}")
         if self.threads is not None and self.threads < 1:
@@ -383,11 +387,18 @@ class LowLatPlugin(Plugin):
             if all(hasattr(head, a) for a in self.HEAD_PARTS) and head.lm_head.weight.dtype == self.hardware.dtype \
                     and embed_weight.dtype == self.hardware.dtype:
                 tensors, options = pack.head_weights(head, embed_weight)
+                q8 = self.head_weights == "q8"
                 kernel = self.extension().Head(tensors, **options, bf16=self.hardware.dtype == torch.bfloat16,
-                                                     dot=self.uses_dot, threads=self.threads_used,
+                                                     dot=self.uses_dot and not q8, threads=self.threads_used,
                                                      max_rows=self.max_batch)
+                if q8:
+                    kernel.set_quant(pack.head_q8(head), self.ACT_MODES.index(self.head_act()))
             entry = self._others[id(head)] = (weakref.ref(head), kernel)
         return entry[1]
+
+    def head_act(self) -> str:
+        """A q8 head's activation mode: the target's for stored weights, else q16 (float quality)."""
+        return self.act if self.stored and self.act in ("q8", "q16") else "q16"
 
     # ------------------------------------------------------------------ kernels
     def _is_gemma(self, model):

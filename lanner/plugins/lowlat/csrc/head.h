@@ -13,6 +13,7 @@ namespace lowlat {
 struct Head {
   Model m;
   torch::Tensor fc_w, in_norm, hid_norm, qkv_w, o_w, post_norm, gu_w, down_w, lm_w, d2t;
+  QMat q_fc, q_qkv, q_o, q_gu, q_down, q_lm;  // set_quant: the matrices in 8-bit blocks (else the dense ones run)
   int64_t vd, kf;
 
   // w: the head's tensors by name (plugin.py's pack.head_weights): embed_tokens (the target's), fc, input_layernorm,
@@ -45,6 +46,39 @@ struct Head {
     chk(lm_w, {vd, hidden}, "lm_head");
     TORCH_CHECK(d2t.scalar_type() == torch::kLong && d2t.is_contiguous() && d2t.numel() == vd,
                 "lowlat head: d2t must be int64 [draft vocab]");
+  }
+
+  // The six matrices (fc, qkv_proj, o_proj, gate_up_proj, down_proj, lm_head) as stored-type blocks (Model's
+  // make_qmat tensors, e.g. Q8_0 as s8) with activations in mode act_mode: half the bytes of bf16 per draft step,
+  // which come from DRAM on the first step after the target's (tools/draft_cost.py)
+  void set_quant(std::vector<std::vector<torch::Tensor>> ws, int64_t act_mode) {
+    TORCH_CHECK(ws.size() == 6, "lowlat head: set_quant takes fc, qkv_proj, o_proj, gate_up_proj, down_proj, lm_head");
+    TORCH_CHECK(!m.dot, "lowlat head: stored-type weights take float activations (no bf16 dot products)");
+    TORCH_CHECK(act_mode >= kActFloat && act_mode <= kActQ16, "lowlat head: act must be 0, 1 or 2");
+    const int64_t h = m.hidden, nqkv = (m.H + 2 * m.Hkv) * m.D;
+    q_fc = m.make_qmat(ws[0], h, kf, "fc");
+    q_qkv = m.make_qmat(ws[1], nqkv, 2 * h, "qkv_proj");
+    q_o = m.make_qmat(ws[2], h, m.H * m.D, "o_proj");
+    q_gu = m.make_qmat(ws[3], 2 * m.inter, h, "gate_up_proj");
+    q_down = m.make_qmat(ws[4], h, m.inter, "down_proj");
+    q_lm = m.make_qmat(ws[5], vd, h, "lm_head");
+    int64_t nbp_max = 0;
+    for (const QMat* w : {&q_fc, &q_qkv, &q_o, &q_gu, &q_down, &q_lm}) {
+      TORCH_CHECK(w->quant(), "lowlat head: set_quant needs all six matrices");
+      nbp_max = std::max(nbp_max, w->nbp());
+    }
+    m.act = int(act_mode);
+    m.reserve_q8(nbp_max);
+  }
+
+  // rows [n0, n1) of a matrix against M rows of X: its 8-bit blocks after set_quant (in pieces of max_rows rows,
+  // the quantized-row buffer's size), else the dense GEMV
+  template <typename WT, typename XT>
+  void mm(const QMat& q, const torch::Tensor& w, int64_t K, int64_t n0, int64_t n1, const XT* X, int64_t ldx,
+          int64_t M, float* out, int64_t ldo, int tid) const {
+    if (!q.quant()) return gemv<WT, XT>(ptr<WT>(w), K, n0, n1, X, ldx, int(M), out, ldo);
+    for (int64_t m0 = 0; m0 < M; m0 += m.max_rows)
+      m.mm<WT, XT>(q, w, K, n0, n1, X + m0 * ldx, ldx, int(std::min(m.max_rows, M - m0)), out + m0 * ldo, ldo, tid);
   }
 
   template <typename WT, typename XT>
@@ -87,7 +121,7 @@ struct Head {
 #pragma omp barrier
         int64_t h0, h1;
         split(H + 2 * Hkv, 1, tid, nt, h0, h1);
-        gemv<WT, XT>(ptr<WT>(qkv_w), 2 * h, h0 * D, h1 * D, xin2.data(), 2 * h, M, qkv, nqkv);
+        mm<WT, XT>(q_qkv, qkv_w, 2 * h, h0 * D, h1 * D, xin2.data(), 2 * h, M, qkv, nqkv, tid);
         {
           float v[512], rot[512];
           for (int64_t t = 0; t < B; t++) {
@@ -116,7 +150,7 @@ struct Head {
                            ain, S, O);
 #pragma omp barrier
         split(h, 16, tid, nt, a, b_);
-        gemv<WT, XT>(ptr<WT>(o_w), H * D, a, b_, ain, H * D, M, tmp, h);
+        mm<WT, XT>(q_o, o_w, H * D, a, b_, ain, H * D, M, tmp, h, tid);
         for (int64_t t = 0; t < B; t++)
           for (int64_t n = a; n < b_; n++) x[t * h + n] = rnd<WT>(x[t * h + n] + rnd<WT>(tmp[t * h + n]));
 #pragma omp barrier
@@ -124,20 +158,20 @@ struct Head {
         if (tid == 0) m.rmsnorm<WT, XT>(x, ptr<WT>(post_norm), xin, 0, B);
 #pragma omp barrier
         split(inter, 16, tid, nt, a, b_);
-        gemv<WT, XT>(ptr<WT>(gu_w), h, a, b_, xin, h, M, gu, 2 * inter);
-        gemv<WT, XT>(ptr<WT>(gu_w), h, inter + a, inter + b_, xin, h, M, gu, 2 * inter);
+        mm<WT, XT>(q_gu, gu_w, h, a, b_, xin, h, M, gu, 2 * inter, tid);
+        mm<WT, XT>(q_gu, gu_w, h, inter + a, inter + b_, xin, h, M, gu, 2 * inter, tid);
         for (int64_t t = 0; t < B; t++)
           Model::silu_mul<WT, XT>(gu + t * 2 * inter + a, gu + t * 2 * inter + inter + a, act + t * inter + a, b_ - a);
 #pragma omp barrier
         split(h, 16, tid, nt, a, b_);
-        gemv<WT, XT>(ptr<WT>(down_w), inter, a, b_, act, inter, M, tmp, h);
+        mm<WT, XT>(q_down, down_w, inter, a, b_, act, inter, M, tmp, h, tid);
         for (int64_t t = 0; t < B; t++)
           for (int64_t n = a; n < b_; n++) x[t * h + n] = rnd<WT>(x[t * h + n] + rnd<WT>(tmp[t * h + n]));
 #pragma omp barrier
         if (tid == 0) m.rmsnorm<WT, XT>(x, ptr<WT>(m.final_norm), xin, 0, B);
 #pragma omp barrier
         split(vd, 16, tid, nt, a, b_);
-        gemv<WT, XT>(ptr<WT>(lm_w), h, a, b_, xin, h, M, logits.data(), vd);
+        mm<WT, XT>(q_lm, lm_w, h, a, b_, xin, h, M, logits.data(), vd, tid);
 #pragma omp barrier
         if (tid == 0) {
           for (int64_t t = 0; t < B; t++) {  // argmax of the model-dtype logits, first index on ties (torch's)
@@ -192,7 +226,7 @@ struct Head {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       int64_t a, b_;
       split(h, 16, tid, nt, a, b_);
-      gemv<WT, XT>(ptr<WT>(fc_w), kf, a, b_, fx, kf, int(T), hid.data(), h);
+      mm<WT, XT>(q_fc, fc_w, kf, a, b_, fx, kf, T, hid.data(), h, tid);
       for (int64_t t = 0; t < T; t++)
         for (int64_t i = a; i < b_; i++) hid[t * h + i] = rnd<WT>(hid[t * h + i]);
 #pragma omp barrier
@@ -208,7 +242,7 @@ struct Head {
       split(2 * Hkv, 1, tid, nt, h0, h1);
       h0 += H;
       h1 += H;
-      if (n > 0) gemv<WT, XT>(ptr<WT>(qkv_w), 2 * h, h0 * D, h1 * D, xin2.data(), 2 * h, int(n), kv.data(), nqkv);
+      if (n > 0) mm<WT, XT>(q_qkv, qkv_w, 2 * h, h0 * D, h1 * D, xin2.data(), 2 * h, n, kv.data(), nqkv, tid);
       float v[512], rot[512];
       for (int64_t r = 0; r < n; r++) {
         const int64_t t = early[r], p = pos[t];

@@ -95,5 +95,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return lowlat::build<lowlat::Head>(tensors, options, "lowlat.Head");
            }), "Head(tensors, **options): see Head::Head (csrc/head.h)")
       .def("chain", &lowlat::Head::chain)
-      .def("propose", &lowlat::Head::propose);
+      .def("propose", &lowlat::Head::propose)
+      .def("set_quant", &lowlat::Head::set_quant);
 }

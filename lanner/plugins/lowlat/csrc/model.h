@@ -337,6 +337,10 @@ struct Model {
     }
     TORCH_CHECK(q_embed.quant() || embed.numel(), "lowlat: the embedding is neither dense nor stored");
     act = int(act_mode);
+    reserve_q8(nbp_max);
+  }
+  // per thread, max_rows quantized activation rows of up to nbp_max blocks in the scratch buffer
+  void reserve_q8(int64_t nbp_max) {
     q8_stride = (act_row_bytes(nbp_max) + 63) / 64 * 64;
     off_q8 = scratch.numel();
     auto grown = torch::zeros({off_q8 + nthreads * max_rows * q8_stride + 64}, torch::kUInt8);
