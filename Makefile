@@ -45,7 +45,10 @@ LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call has,avx) -DGGML_AVX2=$(c
 	-DGGML_FMA=$(call has,fma) -DGGML_F16C=$(call has,f16c) -DGGML_BMI2=$(call has,bmi2) \
 	-DGGML_AVX_VNNI=$(call has,avx_vnni) -DGGML_AVX512=$(call has,avx512f) \
 	-DGGML_AVX512_VNNI=$(call has,avx512_vnni) -DGGML_AVX512_BF16=$(call has,avx512_bf16) \
-	-DGGML_AVX512_VBMI=$(call has,avx512vbmi)
+	-DGGML_AVX512_VBMI=$(call has,avx512vbmi) $(AMX_CMAKE_ARGS)
+# AMX tiles only where this process may use them (the OS grants the tile state; PyTorch's probe asks for it)
+AMX_OK := $(shell $(PY) -c "import torch; print(int(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()))" 2>/dev/null)
+AMX_CMAKE_ARGS := $(if $(filter 1,$(AMX_OK)),-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON,)
 peers: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==0.3.36
 

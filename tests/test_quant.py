@@ -283,6 +283,30 @@ def test_prompt_again_from_prefix_cache_gives_same_tokens(llm_q8):
 
 
 @needs_lowlat
+def test_long_prefill_on_the_engine_gemms():
+    """gemm_prefill_from: a stored-weights prefill step of at least that many rows runs on the engine's forward
+    (dequantized tiles, PyTorch's GEMM: AMX where the CPU has it), a shorter one on lowlat; the next token's
+    logprob agrees between the two paths within the activations' rounding. Negative values are refused."""
+    with pytest.raises(ValueError, match="gemm_prefill_from"):
+        LowLatPlugin(gemm_prefill_from=-1)
+    prompt = " ".join(quant.__doc__.split()[:120])
+    one = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    got = {}
+    for start in (64, 0):
+        llm = LLM(dtype="float32", weights="stored", plugin="lowlat", enable_prefix_caching=False,
+                  plugin_options={"lowlat": {"threads": 1, "gemm_prefill_from": start}}, kv_cache_memory="0.25GiB")
+        out = llm.generate(prompt, one)[0]
+        assert out.metrics["prompt_tokens"] >= 64
+        counts = dict(llm.engine.plugins.counts)
+        llm.generate("Hi there", one)  # 2-9 rows: lowlat's
+        engine = (counts.get(("none", "prefill"), 0), llm.engine.plugins.counts.get(("lowlat", "prefill"), 0))
+        assert engine == ((1, 1) if start else (0, 2)), engine
+        got[start] = (out.token_ids, out.logprobs[0]["logprob"])
+        llm.close()
+    assert got[64][0] == got[0][0] and abs(got[64][1] - got[0][1]) < 0.02
+
+
+@needs_lowlat
 def test_speculative_greedy_equals_plain_q8(llm_q8):
     """With q8 / q16 activations (not float32 arithmetic) n-gram speculation still emits exactly the plain greedy
     tokens: the verify rows compute the bits of decode rows."""

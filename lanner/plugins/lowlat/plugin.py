@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from lanner.cpu import amx_usable
 from lanner.models.config import SUPPORTED_ARCHITECTURES
 from lanner.models.quant import QuantLinear, parameter_count
 from lanner.plugins.base import (
@@ -26,6 +27,7 @@ from lanner.plugins.base import (
     check_options,
 )
 from lanner.plugins.lowlat import pack
+from lanner.plugins.lowlat.heads import DraftHeadKernels
 
 log = logging.getLogger("lanner")
 AVX2_FLAGS = ("avx2", "fma", "f16c")
@@ -39,7 +41,7 @@ def cpu_variant(cpu_flags) -> str | None:
     return "avx2" if all(f in cpu_flags for f in AVX2_FLAGS) else None
 
 
-class LowLatPlugin(Plugin):
+class LowLatPlugin(DraftHeadKernels, Plugin):
     """Options (plugin_options={"lowlat": {...}} / --plugin-option lowlat.NAME=VALUE):
     threads: OpenMP threads for the kernels (default: torch.get_num_threads() at build);
     max_rows: most rows (tokens) of a DECODE / VERIFY / DRAFT step it runs, up to 256; larger steps go to the
@@ -52,6 +54,12 @@ class LowLatPlugin(Plugin):
         rows: 0-10% slower than the engine's dequantizing matmuls and SDPA on long prompts (tools/prefill_paths.py),
         but every prompt token then gets the batch-invariant kernels' bits, so chunking does not matter and a
         prompt answered again from the prefix cache (its tail block recomputed) gives the same tokens;
+    gemm_prefill_from: a stored-weights target's prefill steps of at least this many rows go to the engine's
+        forward instead: its matmuls dequantize 4096-row tiles (lowlat's dequant_t) and run PyTorch's bf16 GEMM,
+        which oneDNN runs on AMX tiles where the CPU has them (400-560 GMAC/s a core against lowlat's q8 kernel's
+        ~130: a 2048-token Qwen2.5-Coder-1.5B prompt in 9.8 s instead of 20.2, 2 threads). Default: 128 on a CPU
+        with AMX-BF16 in bf16 (where the two paths break even), else 0 (never). Those steps' bits are the
+        engine's, not the batch-invariant kernels': a prompt's tokens can then depend on how it was chunked;
     max_batch: most sequences per step (default 8);
     isa: "auto" (AVX-512, with AVX512_BF16 dot products when the CPU has them; AVX2 + FMA + F16C on a CPU without
         AVX-512F), "avx512f" (bf16 -> fp32 shifts + FMA) or "avx2" (the AVX2 build: the same kernels on 256-bit
@@ -81,9 +89,10 @@ class LowLatPlugin(Plugin):
     # act="auto": q8 from this many parameters (results/bench_quant_qwen.json: on the 1.5B model q8 decodes 1.3x
     # q16 and parts from llama.cpp's greedy tokens where q16 does; on the 135M model q8 changes answers)
     Q8_FROM = 1_000_000_000
+    AMX_PREFILL_FROM = 128  # gemm_prefill_from's default with AMX: the rows where the paths break even (Qwen 1.5B)
     OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
                                "isa": str, "allreduce": str, "timeout_s": (int, float), "act": str,
-                               "invariant": bool, "head_weights": str}
+                               "invariant": bool, "head_weights": str, "gemm_prefill_from": int}
 
     def __init__(self, **options):
         check_options("lowlat", options, self.OPTIONS)
@@ -98,6 +107,9 @@ class LowLatPlugin(Plugin):
         self.invariant = options.get("invariant")
         # an EAGLE head's matrices: "q8" (Q8_0 blocks, made at load) or "dense" (its own dtype)
         self.head_weights = options.get("head_weights", "q8")
+        self.gemm_prefill_from = self.options_gemm_prefill_from = options.get("gemm_prefill_from")  # None: at build
+        if self.gemm_prefill_from is not None and self.gemm_prefill_from < 0:
+            raise ValueError("plugin lowlat: gemm_prefill_from must be >= 0")
         if self.head_weights not in ("q8", "dense"):
             raise ValueError(f"plugin lowlat: head_weights must be 'q8' or 'dense', got {self.head_weights!r}")
         if self.act not in ("auto", *self.ACT_MODES):
@@ -207,6 +219,9 @@ class LowLatPlugin(Plugin):
             raise PluginMismatch("lowlat: GGUF weights kept as stored run on one rank only")
         if self.options_prefill_rows is None:
             self.prefill_rows = 256 if self.stored else 72
+        if self.options_gemm_prefill_from is None:
+            amx = hardware.dtype == torch.bfloat16 and hardware.kind == "cpu" and amx_usable()
+            self.gemm_prefill_from = self.AMX_PREFILL_FROM if self.stored and amx else 0
         self.rows = max(self.max_rows, self.prefill_rows)
         # stored-type kernels take float activations; bf16 dot products are for bf16 weights
         self.uses_dot = (hardware.dtype == torch.bfloat16 and self.isa == "auto" and not self.stored
@@ -275,6 +290,8 @@ class LowLatPlugin(Plugin):
         if self._kernel is None:
             return False
         prefill = step.kind in (StepKind.PREFILL, StepKind.DRAFT_EXTEND)
+        if prefill and self.stored and step.model == "target" and 0 < self.gemm_prefill_from <= step.num_tokens:
+            return False  # the engine's GEMMs (AMX where the CPU has it)
         if prefill and self.stored and step.model == "target" and self.prefill_rows:
             return True  # any length and batch, in pieces (_model_forward): every prompt token gets lowlat's bits
         if step.batch_size > self.max_batch:
@@ -326,79 +343,6 @@ class LowLatPlugin(Plugin):
         if kernel is self._kernel and self.hardware.tp_size > 1 and kernel.tp_aborted:
             raise PluginCollectiveAbort("lowlat: a tensor-parallel rank did not reach a collective within the "
                                         "wait limit (timeout_s); the step is aborted on every rank")
-
-    # ------------------------------------------------------------------ EAGLE-style draft head
-    HEAD_PARTS = ("input_layernorm", "hidden_norm", "qkv_proj", "o_proj", "post_attention_layernorm", "mlp", "norm",
-                  "lm_head", "rotary", "scale", "H", "Hkv", "D")
-
-    def _head_forward(self, head, hidden, token_emb, positions, k_cache, v_cache, meta):
-        """DraftHead.forward (one decoder layer over the fused target features, then its draft-vocabulary head)
-        with lowlat's GEMV for its six linears and PyTorch for the rest: at one row per step the head is a few
-        small GEMVs, which PyTorch runs at a third of lowlat's rate. A head of another structure runs its own
-        forward."""
-        if not all(hasattr(head, a) for a in self.HEAD_PARTS) or head.lm_head.weight.dtype != self.hardware.dtype:
-            return head(hidden, token_emb, positions, k_cache, v_cache, meta)
-        from lanner.layers.attention import paged_attention
-        from lanner.layers.rotary import apply_rotary
-
-        def lin(x, layer):
-            return self._kernel.linear(x.contiguous(), layer.weight, layer.bias, False, False)
-
-        T, H, Hkv, D = hidden.shape[0], head.H, head.Hkv, head.D
-        x = torch.cat([head.input_layernorm(token_emb), head.hidden_norm(hidden)], dim=-1)
-        qkv = lin(x, head.qkv_proj).view(T, H + 2 * Hkv, D)
-        cos, sin = head.rotary.lookup(positions, hidden.dtype)
-        qk = apply_rotary(qkv[:, : H + Hkv], cos, sin)
-        attn = paged_attention(qk[:, :H], qk[:, H:], qkv[:, H + Hkv :], k_cache, v_cache, meta, head.scale)
-        out = hidden + lin(attn, head.o_proj)
-        gate, up = lin(head.post_attention_layernorm(out), head.mlp.gate_up_proj).chunk(2, dim=-1)
-        out = out + lin(torch.nn.functional.silu(gate) * up, head.mlp.down_proj)
-        return lin(head.norm(out), head.lm_head), out
-
-    def draft_chain(self, head, embed_weight, hidden, tokens, positions, steps, k_cache, v_cache, block_tables,
-                    block_size):
-        """The head's next `steps` greedy draft tokens for each row in one C++ call (no Python between steps):
-        hidden [B, h] is the head's output where `tokens` (the first draft tokens, target ids) enter at
-        `positions`. Returns int64 [B, steps] (target ids), or None for a head lowlat cannot run."""
-        kernel = self._head_kernel(head, embed_weight)
-        if kernel is None or hidden.shape[0] > self.max_batch:
-            return None
-        with self._lock:
-            return kernel.chain(hidden.contiguous(), tokens, positions, steps, k_cache, v_cache, block_tables,
-                                block_size)
-
-    def draft_propose(self, head, embed_weight, features, tokens, positions, q_lens, steps, k_cache, v_cache,
-                      block_tables, block_size):
-        """A draft-extend and the greedy chain after it in one C++ call: features [T, 3h] (the target's) with
-        tokens and positions [T] over sequences of q_lens rows write the head's KV; from each sequence's last
-        row, `steps` greedy draft tokens follow. Returns int64 [B, steps] (target ids), or None for a head lowlat
-        cannot run."""
-        kernel = self._head_kernel(head, embed_weight)
-        if kernel is None or len(q_lens) > self.max_batch or features.dtype != self.hardware.dtype:
-            return None
-        with self._lock:
-            return kernel.propose(features.contiguous(), tokens, positions, q_lens, steps, k_cache, v_cache,
-                                  block_tables, block_size)
-
-    def _head_kernel(self, head, embed_weight):
-        entry = self._others.get(id(head))
-        if entry is None or entry[0]() is not head:
-            kernel = None
-            if all(hasattr(head, a) for a in self.HEAD_PARTS) and head.lm_head.weight.dtype == self.hardware.dtype \
-                    and embed_weight.dtype == self.hardware.dtype:
-                tensors, options = pack.head_weights(head, embed_weight)
-                q8 = self.head_weights == "q8"
-                kernel = self.extension().Head(tensors, **options, bf16=self.hardware.dtype == torch.bfloat16,
-                                                     dot=self.uses_dot and not q8, threads=self.threads_used,
-                                                     max_rows=self.max_batch)
-                if q8:
-                    kernel.set_quant(pack.head_q8(head), self.ACT_MODES.index(self.head_act()))
-            entry = self._others[id(head)] = (weakref.ref(head), kernel)
-        return entry[1]
-
-    def head_act(self) -> str:
-        """A q8 head's activation mode: the target's for stored weights, else q16 (float quality)."""
-        return self.act if self.stored and self.act in ("q8", "q16") else "q16"
 
     # ------------------------------------------------------------------ kernels
     def _is_gemma(self, model):
