@@ -38,17 +38,15 @@ bench: setup
 
 # llama.cpp as a benchmark peer (lanner bench latency / quant): llama-cpp-python built from source, ~12 min on
 # 2 cores; never part of `make test`. x86 features are switched on from this CPU's flags instead of GGML_NATIVE:
-# the native build emits AMX instructions that some VMs list but do not permit (SIGILL at the first generation)
+# the native build emits AMX instructions that die with SIGILL at the first generation, even where the process
+# holds the tile permission (llama-cpp-python 0.3.36's ggml, an Intel Xeon with AMX: tilezero in its AMX matmul)
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
 has = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
 LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=$(call has,avx) -DGGML_AVX2=$(call has,avx2) \
 	-DGGML_FMA=$(call has,fma) -DGGML_F16C=$(call has,f16c) -DGGML_BMI2=$(call has,bmi2) \
 	-DGGML_AVX_VNNI=$(call has,avx_vnni) -DGGML_AVX512=$(call has,avx512f) \
 	-DGGML_AVX512_VNNI=$(call has,avx512_vnni) -DGGML_AVX512_BF16=$(call has,avx512_bf16) \
-	-DGGML_AVX512_VBMI=$(call has,avx512vbmi) $(AMX_CMAKE_ARGS)
-# AMX tiles only where this process may use them (the OS grants the tile state; PyTorch's probe asks for it)
-AMX_OK := $(shell $(PY) -c "import torch; print(int(torch.cpu._is_amx_tile_supported() and torch.cpu._init_amx()))" 2>/dev/null)
-AMX_CMAKE_ARGS := $(if $(filter 1,$(AMX_OK)),-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON -DGGML_AMX_BF16=ON,)
+	-DGGML_AVX512_VBMI=$(call has,avx512vbmi)
 peers: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --no-cache-dir --no-binary llama-cpp-python llama-cpp-python==0.3.36
 
