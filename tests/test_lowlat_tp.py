@@ -39,7 +39,7 @@ def test_default_model_tp2_with_the_draft_head_equals_tp1_plain():
         assert [o.token_ids for o in llm.generate(PROMPTS, plain)] == want
         rt = llm.engine.plugins
         assert not rt.disabled
-        for kind in ("prefill", "decode", "verify", "logits", "draft_chain"):
+        for kind in ("prefill", "decode", "verify", "logits", "draft_propose"):
             assert rt.counts.get(("lowlat", kind), 0) > 0, rt.counts
         plugin = rt.plugins[0]
         assert plugin._segment is not None and plugin.consistent_failures
