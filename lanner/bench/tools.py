@@ -196,8 +196,8 @@ def run(args, engine_options: dict) -> dict:
           f"the tool the ask was written for: {expected}/{len(results)}")
     json_path, _ = output_paths(args.json, args.out_dir, "tool_calls_qwen")
     data = {"benchmark": "tools", "environment": environment(config), "model": config.model,
-            "asks_set": args.asks, "tool_choice": "auto", "temperature": 0, "max_tokens": args.max_tokens, "passed": passed,
-            "asks": len(results), "streamed_same": same, "expected_tool_called": expected, "system": system,
+            "asks_set": args.asks, "tool_choice": "auto", "temperature": 0, "max_tokens": args.max_tokens,
+            "passed": passed, "asks": len(results), "streamed_same": same, "expected_tool_called": expected, "system": system,
             "tools": TOOLS, "results": results}
     write_json(json_path, data)
     print(f"\nwrote {json_path}")

@@ -141,7 +141,8 @@ def head_weights(head, embed_weight) -> tuple[dict, dict]:
     """Head(tensors, **options)'s tensors (an EAGLE-style draft head's, with the target's embedding) and the
     options its shapes fix."""
     tensors = {
-        "embed_tokens": embed_weight.data, "fc": head.fc.weight.data, "input_layernorm": head.input_layernorm.weight.data,
+        "embed_tokens": embed_weight.data, "fc": head.fc.weight.data,
+        "input_layernorm": head.input_layernorm.weight.data,
         "hidden_norm": head.hidden_norm.weight.data, "qkv_proj": head.qkv_proj.weight.data,
         "o_proj": head.o_proj.weight.data, "post_attention_layernorm": head.post_attention_layernorm.weight.data,
         "gate_up_proj": head.mlp.gate_up_proj.weight.data, "down_proj": head.mlp.down_proj.weight.data,
