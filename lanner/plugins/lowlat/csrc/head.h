@@ -8,8 +8,9 @@ namespace lowlat {
 // tokens (propose) and then k steps of (target embedding of the last draft token,
 // two norms, QKV GEMV + RoPE + KV write, attention over the head's own paged cache, o_proj + residual, MLP,
 // final norm, LM head over the draft vocabulary, argmax, draft -> target id) with no Python between steps. A
-// Model with no layers lends its norm, attention, SiLU*up and scratch; the arithmetic and rounding are the
-// plugin's Python head path (DraftHead.forward), so the tokens are the same.
+// Model with no layers lends its norm, attention, SiLU*up and scratch. With dense matrices the arithmetic and
+// rounding are the plugin's Python head path (DraftHead.forward), so the tokens are the same; after set_quant the
+// matrices are Q8_0 blocks (drafts differ within their error; verification keeps the output lossless).
 struct Head {
   Model m;
   torch::Tensor fc_w, in_norm, hid_norm, qkv_w, o_w, post_norm, gu_w, down_w, lm_w, d2t;
