@@ -1,11 +1,15 @@
 """The EAGLE head's drafting cost against a plain decode step (issue 44, item 1): the bundled model, lowlat at 2
 threads, the engine's default dtype, 4 MT-Bench prompts x 96 greedy tokens, best of 2. Prints plain tok/s (so ms
 per decode step), the head's tau and its drafting ms per verify step (lanner_spec_propose_seconds), whether the
-outputs are identical, and where a draft's time goes (the proposer's parts, timed around their calls).
+outputs are identical, and where a draft's time goes (the proposer's parts, timed around their calls). Last, the
+one-call draft (Head.propose) timed alone for 1 / 3 / 5 draft tokens over 3 new rows: warm (the head's weights in
+cache) and cold (a 256 MB buffer summed before each call, as the target's step evicts them in the engine).
 Usage: python tools/draft_cost.py [--head-weights q8|dense]"""
 import argparse
 import collections
 import time
+
+import torch
 
 from lanner import LLM, SamplingParams
 from lanner.bench.compare import spec_counters, spec_summary
@@ -69,3 +73,20 @@ for m in msgs:
     llm.generate([m], sp)
 drafts = calls["propose (all)"]
 print(f"per draft ({drafts} drafts):", ", ".join(f"{k} {1e3 * v / drafts:.2f} ms" for k, v in spent.items()))
+
+# the one-call draft alone, warm and cold
+plugin = llm.engine.plugins.plugins[0]
+head, emb = llm.engine.proposer.head, llm.engine.proposer.embed_weight
+kv = torch.zeros(2, 64 * 16, head.Hkv, head.D, dtype=emb.dtype)
+feats = torch.randn(3, 3 * head.cfg.hidden_size).to(emb.dtype)
+tokens, positions, flush = torch.randint(0, 40000, (3,)), torch.arange(300, 303), torch.randn(64 * 2**20)
+for steps in (1, 3, 5):
+    for cold in (False, True):
+        total = 0.0
+        for i in range(31):
+            if cold:
+                flush.sum()
+            t = time.perf_counter()
+            plugin.draft_propose(head, emb, feats, tokens, positions, [3], steps, kv[0], kv[1], [list(range(64))], 16)
+            total += (time.perf_counter() - t) if i else 0.0  # the first call is a warm-up
+        print(f"one call, {steps} draft token(s), {'cold' if cold else 'warm'}: {1e3 * total / 30:.2f} ms")

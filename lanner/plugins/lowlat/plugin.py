@@ -56,8 +56,9 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
         prompt answered again from the prefix cache (its tail block recomputed) gives the same tokens;
     gemm_prefill_from: a stored-weights target's prefill steps of at least this many rows go to the engine's
         forward instead: its matmuls dequantize 4096-row tiles (lowlat's dequant_t) and run PyTorch's bf16 GEMM,
-        which oneDNN runs on AMX tiles where the CPU has them (400-560 GMAC/s a core against lowlat's q8 kernel's
-        ~130: a 2048-token Qwen2.5-Coder-1.5B prompt in 9.8 s instead of 20.2, 2 threads). Default: 128 on a CPU
+        which oneDNN runs on AMX tiles where the CPU has them (414-561 GMAC/s a core against lowlat's q8 kernel's
+        96-104, tools/gemm_efficiency.py: a 2048-token Qwen2.5-Coder-1.5B prompt in 9.7 s instead of 18.6, 2
+        threads, tools/amx_prefill.py). Default: 128 on a CPU
         with AMX-BF16 in bf16 (where the two paths break even), else 0 (never). Those steps' bits are the
         engine's, not the batch-invariant kernels': a prompt's tokens can then depend on how it was chunked;
     max_batch: most sequences per step (default 8);
