@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lanner.kvcache.q8 import KV_CACHE_DTYPES
 from lanner.models.config import WEIGHT_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +63,8 @@ class EngineConfig:
     max_num_batched_tokens: int = option(512, "cache", "tokens per engine step (longer prompts are prefilled in "
                                          "chunks)")
     max_model_len: int | None = option(None, "cache", "context length cap (default: the model's)")
+    kv_cache_dtype: str = option("auto", "cache", "'auto': the KV cache in the model dtype; 'q8': Q8_0 blocks (32 "
+                                 "int8 values and an fp16 scale, 34 bytes per 64 of bf16; docs/quantized.md#kv-cache)")
     enable_prefix_caching: bool = option(True, "cache", "do not reuse KV blocks of shared prefixes",
                                          flags=("--no-prefix-caching",))
     session_idle_s: float = option(300.0, "cache", "seconds after its last request that a named session's cached "
@@ -152,8 +155,13 @@ class EngineConfig:
         if self.spec not in (None, "none", "auto", *SPEC_KINDS):
             raise ValueError(f"spec: must be 'auto', {', '.join(map(repr, SPEC_KINDS))} or None/'none', "
                              f"got {self.spec!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.kv_tier is not None:
             self._check_kv_tier()
+            if self.kv_cache_dtype != "auto":
+                raise ValueError("kv_cache_dtype='q8' is for the paged KV cache; UlaCache (kv_tier) keeps the "
+                                 "model dtype")
         if self.spec == "auto":
             if self.draft is not None:
                 self.spec = "draft"

@@ -31,3 +31,30 @@ def forward_rows(model, plugin, kv, rows: list[tuple[list[int], int, list[int]]]
         step = Step(StepKind.VERIFY, len(ids), len(rows))
         hidden = plugin.forward(step, model, ids, pos, kv, meta)[0]
         return hidden, plugin.compute_logits(step, model, hidden)
+
+
+def teacher_forced_logprobs(llm, ids: list[int], n_eval: int, rows: int = 32, room: int = 0) -> torch.Tensor:
+    """Through an idle engine's runner (its KV blocks 0.. as one sequence's table): prefills ids[:-n_eval] in
+    max_num_batched_tokens steps, then feeds the last n_eval tokens in verify steps of `rows` rows (lowlat's own
+    attention reads the cache there) -> log-probs [n_eval, vocab] of each fed token's next token. room: positions
+    past ids the table covers (for decode steps after it)."""
+    from lanner.engine.runner import SeqChunk
+
+    runner, mnbt, bs = llm.engine.kv.runner, llm.engine.config.max_num_batched_tokens, llm.engine.kv.block_size
+    table, head = list(range((len(ids) + room + bs - 1) // bs)), len(ids) - n_eval
+    with torch.inference_mode():
+        for s in range(0, head, mnbt):
+            runner.run([SeqChunk(ids[s : min(s + mnbt, head)], s, table, "none")], StepKind.PREFILL)
+        out = [runner.run([SeqChunk(ids[s : s + rows], s, table, "all")], StepKind.VERIFY).log_softmax(-1)
+               for s in range(head, len(ids), rows)]
+    return torch.cat(out)
+
+
+def divergence(p: torch.Tensor, q: torch.Tensor, nxt: torch.Tensor) -> dict:
+    """Two runs' next-token log-probs p, q [n, vocab] over the same text (nxt: its next tokens): mean and max KL(p||q),
+    top-1 agreement, mean and max |delta| of the actual next token's log-probability."""
+    kl = (p.exp() * (p - q)).sum(-1)
+    dlp = (p.gather(1, nxt[:, None]) - q.gather(1, nxt[:, None])).abs()
+    return {"kl_mean": kl.mean().item(), "kl_max": kl.max().item(),
+            "top1_agree": (p.argmax(-1) == q.argmax(-1)).float().mean().item(),
+            "dlogprob_mean": dlp.mean().item(), "dlogprob_max": dlp.max().item()}

@@ -23,12 +23,13 @@ def paged_worker(config: EngineConfig, device: str) -> dict | None:
     hardware = Hardware.detect(device, config.torch_dtype, tp_size(), tp_rank())
     model, model_config, plugin_runtime, plugin_bytes, _ = load_target(config, hardware)
     layout = KVLayout.of(model, config.window_kv)
-    num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype, layout), plugin_bytes)
+    kv_q8 = config.kv_cache_dtype == "q8"
+    num_blocks = kv_blocks(config, ModelRunner.bytes_per_token(model, config.torch_dtype, layout, kv_q8), plugin_bytes)
     if num_blocks < 2:  # rank 0 raises the error that names the budget
         return None
     # no captured layers: only rank 0 feeds a draft head
     runner = ModelRunner(model, num_blocks, config.block_size, config.torch_dtype, device, (), plugin_runtime,
-                         layout=layout)
+                         layout=layout, kv_q8=kv_q8)
     return {"step": lambda code, payload: runner.run(*decode_step(code, payload, layout.num_groups)),
             "gather_embedding": lambda arg, payload: all_gather_rows(
                 model.embed_tokens.weight, split_sizes(model_config.vocab_size, tp_size()))}
@@ -44,7 +45,8 @@ class PagedKV:
         capture: the layers whose outputs a draft head reads (ModelRunner.features)."""
         self.config, self.tp = config, tp
         self.layout = KVLayout.of(model, config.window_kv)
-        per_token = ModelRunner.bytes_per_token(model, config.torch_dtype, self.layout) + draft_bytes
+        kv_q8 = config.kv_cache_dtype == "q8"
+        per_token = ModelRunner.bytes_per_token(model, config.torch_dtype, self.layout, kv_q8) + draft_bytes
         self.bytes_per_token, self.plugin_bytes = per_token, plugin_bytes  # a benchmark sizes a pool of N blocks
         self.num_blocks = kv_blocks(config, per_token, plugin_bytes)
         if self.num_blocks < 2:
@@ -56,9 +58,9 @@ class PagedKV:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.max_queue_len, self.layout)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, config.torch_dtype, config.device,
-                                  capture, plugins, layout=self.layout)
+                                  capture, plugins, layout=self.layout, kv_q8=kv_q8)
         windows = [w for w in self.layout.windows if w is not None]
-        self.summary = (f"{self.num_blocks} KV blocks x {config.block_size} tokens "
+        self.summary = (f"{self.num_blocks} {'q8 ' if kv_q8 else ''}KV blocks x {config.block_size} tokens "
                         f"({self.num_blocks * config.block_size * per_token / 2**30:.2f} GiB"
                         + (f" on each of {config.tp} ranks" if config.tp > 1 else "")
                         + (f"; {self.layout.num_groups} layer groups of {self.layout.members}, {len(windows)} of "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from lanner.kvcache import q8
 from lanner.kvcache.layout import KVLayout
 from lanner.layers.attention import build_attention_metadata
 from lanner.plugins import PluginRuntime, Step, StepKind
@@ -84,8 +85,10 @@ def zeros(*shape: int, dtype, device) -> torch.Tensor:
 
 class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, dtype, device, capture_layers=(),
-                 plugins: PluginRuntime | None = None, role: str = "target", layout: KVLayout | None = None):
-        """layout: how layers share the pool (lanner.kvcache.layout); None: flat, one table for every layer."""
+                 plugins: PluginRuntime | None = None, role: str = "target", layout: KVLayout | None = None,
+                 kv_q8: bool = False):
+        """layout: how layers share the pool (lanner.kvcache.layout); None: flat, one table for every layer;
+        kv_q8: Q8_0 rows (lanner.kvcache.q8), not the model dtype."""
         self.plugins, self.role = plugins, role  # role: "target" | "draft" (Step.model for plugin dispatch)
         # layers whose outputs the last run() keeps in self.features ([T, len * hidden]), for draft heads
         self.capture_layers = tuple(capture_layers)
@@ -101,6 +104,8 @@ class ModelRunner:
         # (masked, but 0 * NaN would still poison them)
         slots = num_blocks * block_size
         shapes = model.kv_cache_shapes()
+        if kv_q8:
+            shapes, dtype = q8.cache_shapes(shapes), torch.uint8
         self.layout = layout or KVLayout.flat(len(shapes))
         if self.layout.is_flat:
             self.kv_caches = [tuple(zeros(slots, *shape, dtype=dtype, device=device) for shape in layer)
@@ -111,7 +116,7 @@ class ModelRunner:
             self.kv_caches = [pool[m] for m in self.layout.layer_member]
 
     @staticmethod
-    def bytes_per_token(model_or_cfg, dtype, layout: KVLayout | None = None) -> int:
+    def bytes_per_token(model_or_cfg, dtype, layout: KVLayout | None = None, kv_q8: bool = False) -> int:
         """KV bytes one token of a pool block takes on this rank: from the model's cache shapes, or a dense
         ModelConfig's geometry; under a grouped layout, a block holds one group's layers."""
         if hasattr(model_or_cfg, "kv_cache_shapes"):
@@ -121,8 +126,10 @@ class ModelRunner:
             shapes = [((c.num_kv_heads, c.head_dim),) * 2] * c.num_layers
         if layout is not None and not layout.is_flat:
             shapes = shapes[: layout.members]
+        if kv_q8:
+            shapes, dtype = q8.cache_shapes(shapes), torch.uint8
         elems = sum(math.prod(s) for layer in shapes for s in layer)
-        return elems * torch.finfo(dtype).bits // 8
+        return elems * dtype.itemsize
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk], kind: StepKind | None = None, argmax: bool = False) -> torch.Tensor:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from lanner.kvcache import q8
+
 
 @dataclass
 class AttentionMetadata:
@@ -88,9 +90,10 @@ def attention(q, k, v, layer: int, k_cache, v_cache, meta: AttentionMetadata, sc
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, select=None):
     """Writes k, v to the cache and attends. select(qp, kp) -> bool [B, 1, 1, L]: the tokens each decode query
-    reads (sparse attention; single-query steps only)."""
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    reads (sparse attention; single-query steps only). A uint8 cache holds Q8_0 rows (lanner.kvcache.q8)."""
+    quantized = k_cache.dtype == torch.uint8
+    k_cache[meta.slot_mapping] = q8.quantize(k) if quantized else k
+    v_cache[meta.slot_mapping] = q8.quantize(v) if quantized else v
     B, Qmax = meta.batch_size, meta.max_q_len
     H, D = q.shape[1], q.shape[2]
     if meta.q_dest is None:
@@ -104,6 +107,8 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
         kp, vp = k_cache[s:e].unsqueeze(0), v_cache[s:e].unsqueeze(0)
     else:
         kp, vp = k_cache[meta.kv_slots], v_cache[meta.kv_slots]
+    if quantized:
+        kp, vp = q8.dequantize(kp, q.dtype), q8.dequantize(vp, q.dtype)
     mask = meta.mask
     if select is not None and Qmax == 1:
         mask = select(qp, kp)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from lanner.kvcache import q8
 from lanner.layers.attention import AttentionBackend, AttentionMetadata, paged_attention
 
 
@@ -23,8 +24,11 @@ class PaddedWrite(AttentionBackend):
 
     def forward(self, q, k, v, layer, k_cache, v_cache, meta, scale):
         keep = self.pad[:, None, None]
-        k = torch.where(keep, k_cache[meta.slot_mapping], k)
-        v = torch.where(keep, v_cache[meta.slot_mapping], v)
+        k_old, v_old = k_cache[meta.slot_mapping], v_cache[meta.slot_mapping]
+        if k_cache.dtype == torch.uint8:  # q8 rows: written back unchanged (requantizing Q8_0 values is exact)
+            k_old, v_old = q8.dequantize(k_old, k.dtype), q8.dequantize(v_old, v.dtype)
+        k = torch.where(keep, k_old, k)
+        v = torch.where(keep, v_old, v)
         return paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
 

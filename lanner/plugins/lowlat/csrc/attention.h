@@ -20,21 +20,39 @@ static int64_t g_attn_prefetch = 2;  // attention: key / value tiles prefetched 
 // the step's rows, those whose bit is set in anc[i] (its ancestors and itself), in that order: the keys, and so
 // the arithmetic, of a one-row step at its position (the depth) after its path was accepted.
 // win > 0 (a sliding-window layer): row i reads only the keys at positions > pos - win (its own position, tree
-// rows too); the key blocks stay at multiples of 512, so a row's arithmetic still depends on its keys alone
+// rows too); the key blocks stay at multiples of 512, so a row's arithmetic still depends on its keys alone.
+// q8: kc / vc hold Q8_0 rows (lanner/kvcache/q8.py), dequantized to float32 tiles (exact: q times an fp16 scale)
+// and attended with the FMA path's arithmetic
 template <typename WT, typename XT>
 inline void Model::attend(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
                           const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0,
                           int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc,
-                          int64_t win) const {
+                          int64_t win, bool q8) const {
+#define LOWLAT_ATTEND(NV, Q8) attend_nv<WT, XT, NV, Q8>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, \
+                                                        O, anc, win)
   switch (D / 16) {  // the head size as a constant: the key, value and accumulator vectors stay in registers
-    case 4: return attend_nv<WT, XT, 4>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
-    case 8: return attend_nv<WT, XT, 8>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
-    case 16: return attend_nv<WT, XT, 16>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
-    default: return attend_nv<WT, XT, 0>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+    case 4: return q8 ? LOWLAT_ATTEND(4, true) : LOWLAT_ATTEND(4, false);
+    case 8: return q8 ? LOWLAT_ATTEND(8, true) : LOWLAT_ATTEND(8, false);
+    case 16: return q8 ? LOWLAT_ATTEND(16, true) : LOWLAT_ATTEND(16, false);
+    default: return q8 ? LOWLAT_ATTEND(0, true) : LOWLAT_ATTEND(0, false);
+  }
+#undef LOWLAT_ATTEND
+}
+
+// one (token, kv head) row of D values as Q8_0 blocks at dst (the layout and rounding of lanner/kvcache/q8.py)
+inline void quantize_kv_row(const float* v, int64_t D, uint8_t* dst) {
+  for (int64_t b = 0; b < D / 32; b++, dst += 34) {
+    float amax = 0.f;
+    for (int k = 0; k < 32; k++) amax = std::max(amax, std::fabs(v[b * 32 + k]));
+    const float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    const uint16_t h = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
+    std::memcpy(dst, &h, 2);
+    for (int k = 0; k < 32; k++)
+      dst[2 + k] = uint8_t(int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(v[b * 32 + k] * id)))));
   }
 }
 
-template <typename WT, typename XT, int NV>  // NV: D / 16, or 0 for any other head size (read at run time)
+template <typename WT, typename XT, int NV, bool Q8>  // NV: D / 16, or 0 for any other head size (read at run time)
 inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx,
                              int64_t kv_len, const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc,
                              int64_t h0, int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O,
@@ -67,7 +85,7 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
   // (the FMA path's chain order over its vectors 2c, 2c + 1), value pairs so that they are keys k / k + 1. So
   // the bits are the FMA path's (vdpbf16ps flushes denormals, which these values do not reach), with half the
   // multiply instructions and no float32 copy of the keys and values.
-  constexpr bool kPairs = kBf && NV > 0 && NV % 2 == 0;
+  constexpr bool kPairs = kBf && NV > 0 && NV % 2 == 0 && !Q8;
   const bool pairs = kPairs && attn_dot;
   // lanes 2l / 2l + 1 <- elements 16 + l / l of a 32-element vector
   const __m512i perm = _mm512_set_epi16(15, 31, 14, 30, 13, 29, 12, 28, 11, 27, 10, 26, 9, 25, 8, 24, 7, 23, 6, 22,
@@ -111,14 +129,29 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
   std::fill(mx, mx + R, -INFINITY);
   std::fill(sum, sum + R, 0.f);
   std::fill(O.begin(), O.begin() + R * D, 0.f);
-  auto kv_at = [&](const WT* c, int64_t i, int64_t j, int64_t gg) { return c + (slot(i, j) * Hkv + gg) * D; };
+  // a cache row's start, and 16 of its values (v: which 16) as float32
+  const int64_t row_bytes = Q8 ? D / 32 * 34 : D * int64_t(sizeof(WT));
+  auto kv_at = [&](const WT* c, int64_t i, int64_t j, int64_t gg) {
+    return reinterpret_cast<const WT*>(reinterpret_cast<const char*>(c) + (slot(i, j) * Hkv + gg) * row_bytes);
+  };
+  auto ld16 = [&](const WT* row, int64_t v) {
+    if constexpr (Q8) {
+      const char* b = reinterpret_cast<const char*>(row) + (v >> 1) * 34;
+      uint16_t h;
+      std::memcpy(&h, b, 2);
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + (v & 1) * 16));
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qs)), _mm512_set1_ps(_cvtsh_ss(h)));
+    } else {
+      return load16(row + v * 16);
+    }
+  };
   // the cache rows of the item's groups for keys j0 .. j0 + n_tiles * 16 - 1 (< end) into L2, each 64-byte line
   // once, ahead of their tiles: blocks sit scattered, so the hardware prefetchers restart at every block and the
   // tiles waited on memory (one decode row at 2000 tokens, 30 layers: 7.6 ms from DRAM, 3.2-4.1 from L3; with
   // this 4.6). Inline asm: GCC 12 dropped _mm_prefetch here. Into L1 it gained nothing (the misses queue there).
   auto prefetch = [&](const WT* c, int64_t j0, int64_t n_tiles, int64_t end) {
     if (g_attn_prefetch == 0) return;
-    const int64_t bytes = (g1 - g0) * D * int64_t(sizeof(WT));
+    const int64_t bytes = (g1 - g0) * row_bytes;
     uintptr_t next = 0;  // the first line not yet prefetched (rows of one block are adjacent)
     for (int64_t j = std::max<int64_t>(j0, 0), je2 = std::min(j0 + n_tiles * kTile, end); j < je2; j++) {
       const uintptr_t a = reinterpret_cast<uintptr_t>(kv_at(c, 0, j, g0));
@@ -139,7 +172,7 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
         for (int64_t g = g0; g < g1; g++) {
           const WT* p = kv_at(c, 0, j0 + k, g);
           float* t = tile + ((g - g0) * kTile + k) * D;
-          for (int64_t v = 0; v < nv; v++) _mm512_storeu_ps(t + v * 16, load16(p + v * 16));
+          for (int64_t v = 0; v < nv; v++) _mm512_storeu_ps(t + v * 16, ld16(p, v));
         }
       rows[k] = tile + ((gg - g0) * kTile + k) * D;
     }
@@ -183,7 +216,7 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
   // one (row, head)'s score for one key: the 16-wide FMA chain, then the horizontal sum
   auto dot = [&](const float* qi, const WT* kp) {
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t v = 0; v < nv; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + v * 16), load16(kp + v * 16), acc);
+    for (int64_t v = 0; v < nv; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + v * 16), ld16(kp, v), acc);
     return _mm512_reduce_add_ps(acc) * float(scale);
   };
   for (int64_t n0 = minlo / kBlock * kBlock; n0 < maxlim; n0 += kBlock) {
@@ -350,7 +383,7 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
             const __m512 p = _mm512_set1_ps(S[r * ldS + j - n0]);
             float* o = O.data() + r * D;
             for (int64_t v = 0; v < nv; v++)
-              _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, load16(vp + v * 16), _mm512_loadu_ps(o + v * 16)));
+              _mm512_storeu_ps(o + v * 16, _mm512_fmadd_ps(p, ld16(vp, v), _mm512_loadu_ps(o + v * 16)));
           }
         }
       }
@@ -362,17 +395,20 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
   }
 }
 
-// the attention kernel on its own, for tests: q [T, H*D] (RoPE applied) over caches [slots, Hkv, D] that
-// already hold this step's K/V -> [T, H*D] in the model dtype
+// the attention kernel on its own, for tests: q [T, H*D] (RoPE applied) over caches [slots, Hkv, D] (or uint8
+// Q8_0 rows [slots, Hkv, D / 32 * 34]) that already hold this step's K/V -> [T, H*D] in the model dtype
 inline torch::Tensor Model::attention(torch::Tensor qt, torch::Tensor kc, torch::Tensor vc, torch::Tensor positions,
                                       std::vector<int64_t> q_lens, std::vector<int64_t> ctx_lens,
                                       std::vector<std::vector<int64_t>> bts, int64_t bs) const {
   const auto wdt = bf16 ? torch::kBFloat16 : torch::kFloat32;
   const int64_t T = qt.size(0), B = (int64_t)q_lens.size();
+  const bool q8 = kc.scalar_type() == torch::kUInt8 && D % 32 == 0;
+  const auto cdt = q8 ? torch::kUInt8 : wdt;
   TORCH_CHECK(qt.dim() == 2 && qt.size(1) == H * D && T <= kMaxRows && positions.numel() == T &&
-                  positions.scalar_type() == torch::kLong && kc.scalar_type() == wdt && vc.sizes() == kc.sizes() &&
-                  vc.scalar_type() == wdt && kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 &&
-                  kc.size(1) == Hkv && kc.size(2) == D && B >= 1 && (int64_t)ctx_lens.size() == B &&
+                  positions.scalar_type() == torch::kLong && kc.scalar_type() == cdt && vc.sizes() == kc.sizes() &&
+                  vc.scalar_type() == cdt && kc.is_contiguous() && vc.is_contiguous() && kc.dim() == 3 &&
+                  kc.size(1) == Hkv && kc.size(2) == (q8 ? D / 32 * 34 : D) && B >= 1 &&
+                  (int64_t)ctx_lens.size() == B &&
                   (int64_t)bts.size() == B && bs >= 1,
               "lowlat.attention: bad inputs");
   auto qf = qt.to(torch::kFloat32).contiguous();
@@ -398,7 +434,7 @@ inline torch::Tensor Model::attention(torch::Tensor qt, torch::Tensor kc, torch:
       attend<WT, float>(qf.data_ptr<float>(), pos.data_ptr<int64_t>(), row0[b], q_lens[b], ctx_lens[b], kv_len,
                         bts[b], bs, reinterpret_cast<const WT*>(kc.data_ptr()),
                         reinterpret_cast<const WT*>(vc.data_ptr()), item_head(k, n), item_heads(k, n), outf.data(),
-                        S, O);
+                        S, O, nullptr, 0, q8);
     }
   };
   if (bf16) run_all(bf16_t{});

@@ -123,8 +123,13 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
             if (hh < H) {
               std::memcpy(q + t * H * D + hh * D, v, D * sizeof(float));
             } else {
-              WT* dst = (hh < H + Hkv ? kc : vc) + (slots[t] * Hkv + (hh < H + Hkv ? hh - H : hh - H - Hkv)) * D;
-              for (int64_t d = 0; d < D; d++) stf<WT>(dst, d, v[d]);
+              const int64_t row = slots[t] * Hkv + (hh < H + Hkv ? hh - H : hh - H - Hkv);
+              WT* c = hh < H + Hkv ? kc : vc;
+              if (kv_q8) {
+                quantize_kv_row(v, D, reinterpret_cast<uint8_t*>(c) + row * (D / 32 * 34));
+              } else {
+                for (int64_t d = 0; d < D; d++) stf<WT>(c + row * D, d, v[d]);
+              }
             }
           }
         }
@@ -137,7 +142,7 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
         const int64_t sb = it / items_per_seq, k = it % items_per_seq;
         attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, gbts[lgroup[l]][sb], bs, kcs[l], vcs[l],
                        item_head(k, items_per_seq), item_heads(k, items_per_seq), ain, S, O,
-                       tree_[sb].empty() ? nullptr : tree_[sb].data(), local ? window : 0);
+                       tree_[sb].empty() ? nullptr : tree_[sb].data(), local ? window : 0, kv_q8);
       }
       mark(1);
 #pragma omp barrier
@@ -235,14 +240,19 @@ inline std::tuple<torch::Tensor, std::vector<torch::Tensor>> Model::forward(
   const int64_t* idp = ids.data_ptr<int64_t>();
   int64_t nslots = -1;
   std::vector<void*> kcs(L), vcs(L);
+  // the model dtype, or Q8_0 rows (lanner/kvcache/q8.py) as uint8
+  kv_q8 = L > 0 && kv[0].size() == 2 && kv[0][0].scalar_type() == torch::kUInt8;
+  TORCH_CHECK(!kv_q8 || D % 32 == 0, "lowlat: a q8 KV cache needs head_dim a multiple of 32, not ", D);
+  const auto cdt = kv_q8 ? torch::kUInt8 : wdt;
+  const int64_t row = kv_q8 ? D / 32 * 34 : D;
   for (int64_t l = 0; l < L; l++) {
     TORCH_CHECK(kv[l].size() == 2, "lowlat: kv_caches[", l, "] must be a (k_cache, v_cache) pair");
     for (int i = 0; i < 2; i++) {
       const auto& c = kv[l][i];
-      TORCH_CHECK(c.dim() == 3 && c.size(1) == Hkv && c.size(2) == D && c.is_contiguous() &&
-                      c.scalar_type() == wdt && c.device().is_cpu(),
-                  "lowlat: kv cache of layer ", l, " must be a contiguous CPU ", wdt, " tensor [slots, ", Hkv, ", ",
-                  D, "], got ", c.scalar_type(), " ", c.sizes());
+      TORCH_CHECK(c.dim() == 3 && c.size(1) == Hkv && c.size(2) == row && c.is_contiguous() &&
+                      c.scalar_type() == cdt && c.device().is_cpu(),
+                  "lowlat: kv cache of layer ", l, " must be a contiguous CPU ", cdt, " tensor [slots, ", Hkv, ", ",
+                  row, "], got ", c.scalar_type(), " ", c.sizes());
       if (nslots < 0) nslots = c.size(0);
       TORCH_CHECK(c.size(0) == nslots, "lowlat: kv caches differ in slot count");
     }

@@ -96,6 +96,7 @@ struct Model {
   // batch invariance: a row's attention arithmetic depends only on its own context length (PyTorch's flash
   // attention, which the default path mirrors, switches exp variants at the padded batch's length)
   bool invariant = false;
+  bool kv_q8 = false;  // forward()'s caches hold Q8_0 rows (uint8 [slots, Hkv, D / 32 * 34]), not the model dtype
   // bf16 models: attention's products through vdpbf16ps (see attend_nv; the same bits as the FMA path)
   bool attn_dot = false;
   std::vector<std::vector<int64_t>> tree_;  // forward()'s draft-tree rows per sequence (see attend)
@@ -443,8 +444,8 @@ struct Model {
   void attend(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
               const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0, int64_t nh,
               XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc = nullptr,
-              int64_t win = 0) const;
-  template <typename WT, typename XT, int NV>
+              int64_t win = 0, bool q8 = false) const;
+  template <typename WT, typename XT, int NV, bool Q8>
   void attend_nv(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
                  const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0, int64_t nh,
                  XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc, int64_t win) const;
