@@ -62,6 +62,10 @@ class EngineConfig:
     max_queue_len: int = option(1024, "cache", "waiting requests beyond which new ones are refused")
     max_num_batched_tokens: int = option(512, "cache", "tokens per engine step (longer prompts are prefilled in "
                                          "chunks)")
+    solo_prefill_tokens: int | None = option(None, "cache", "tokens per step while one request runs alone and "
+                                             "prefills (default: what the kernel plugin prefers, 2048 on lowlat's "
+                                             "long-prompt GEMMs, else max_num_batched_tokens); a request arriving "
+                                             "meanwhile waits for that step")
     max_model_len: int | None = option(None, "cache", "context length cap (default: the model's)")
     kv_cache_dtype: str = option("auto", "cache", "'auto': the KV cache in the model dtype; 'q8': Q8_0 blocks (32 "
                                  "int8 values and an fp16 scale, 34 bytes per 64 of bf16; docs/quantized.md#kv-cache)")
@@ -215,6 +219,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_queue_len", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive")
+        if self.solo_prefill_tokens is not None and self.solo_prefill_tokens < 0:
+            raise ValueError(f"solo_prefill_tokens: must be >= 0, got {self.solo_prefill_tokens}")
 
     def _check_kv_tier(self):
         if self.kv_tier not in KV_TIERS:

@@ -117,3 +117,20 @@ def test_session_blocks_revived_and_renamed_keep_counts():
     bm.free(hit, "s")
     assert bm.num_free == 4 and len(bm.sessions["s"].free) == 2
     assert len(bm.allocate(4)) == 4 and bm.num_free == 0 and bm.num_session_free == 0
+
+
+def test_a_lone_request_prefills_in_solo_steps():
+    """Scheduler(solo_budget=N): a request alone takes N-token prefill steps; with a second one waiting, the step
+    budget is max_num_batched_tokens again, shared."""
+    from lanner import SamplingParams
+    from lanner.engine.request import Request
+    from lanner.engine.scheduler import Scheduler
+
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=16), max_num_seqs=4, max_num_batched_tokens=128,
+                      max_queue_len=8, solo_budget=512)
+    new = lambda name, n: Request(name, list(range(n)), SamplingParams(max_tokens=4), None, 4, [])
+    sched.add(new("a", 700))
+    assert [it.num_tokens for it in sched.schedule()] == [512]
+    sched.running[0].num_computed = 512
+    sched.add(new("b", 300))
+    assert [it.num_tokens for it in sched.schedule()] == [128]  # a's rest gets the whole shared budget first

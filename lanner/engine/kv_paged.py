@@ -55,8 +55,15 @@ class PagedKV:
         self.block_size = config.block_size
         self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
                                           config.session_idle_s)
+        # a lone request's longer prefill steps; not with sliding windows, whose block count assumes
+        # max_num_batched_tokens-token chunks (KVLayout.blocks_for)
+        solo = config.solo_prefill_tokens
+        if solo is None:
+            solo = max([p.solo_prefill_tokens or 0 for p in plugins.active] if plugins is not None else [0])
+        if any(w is not None for w in self.layout.windows):
+            solo = 0
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_queue_len, self.layout)
+                                   config.max_queue_len, self.layout, solo)
         self.runner = ModelRunner(model, self.num_blocks, config.block_size, config.torch_dtype, config.device,
                                   capture, plugins, layout=self.layout, kv_q8=kv_q8)
         windows = [w for w in self.layout.windows if w is not None]

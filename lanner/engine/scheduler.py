@@ -88,10 +88,13 @@ class RequestQueue:
 
 class Scheduler(RequestQueue):
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_queue_len: int,
-                 layout: KVLayout | None = None):
+                 layout: KVLayout | None = None, solo_budget: int = 0):
+        """solo_budget: the step's tokens while one request is running or waiting and nothing else (at least
+        max_num_batched_tokens)."""
         super().__init__(max_num_seqs, max_queue_len)
         self.blocks = blocks
         self.budget = max_num_batched_tokens
+        self.solo_budget = max(solo_budget, max_num_batched_tokens)
         self.layout = layout or KVLayout.flat(1)
         self.groups = self.layout.num_groups
         self.tables: dict[str, BlockTables] = {}  # request id -> its blocks, while it is running
@@ -153,7 +156,7 @@ class Scheduler(RequestQueue):
 
     def schedule(self, spec_tokens: Callable[[Request, int], int] | None = None) -> list[ScheduledItem]:
         """spec_tokens(request, batch size) -> how many draft tokens a decoding request may verify this step."""
-        budget = self.budget
+        budget = self.solo_budget if len(self.running) + len(self.waiting) == 1 else self.budget
         items: list[ScheduledItem] = []
         i = 0
         while i < len(self.running) and budget > 0:

@@ -114,6 +114,9 @@ class Plugin:
     consistent_failures: bool = False
     # whether `--plugin auto` may pick it; False: only when named (e.g. a plugin that compiles for minutes at start)
     auto: bool = True
+    # after build: tokens per step in which a request running alone prefills best (None: no preference), e.g. a
+    # path that passes over the weights once per step (EngineConfig.solo_prefill_tokens)
+    solo_prefill_tokens: int | None = None
 
     def __init__(self, **options):
         if options:

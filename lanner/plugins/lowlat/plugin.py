@@ -223,6 +223,9 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
         if self.options_gemm_prefill_from is None:
             amx = hardware.dtype == torch.bfloat16 and hardware.kind == "cpu" and amx_usable()
             self.gemm_prefill_from = self.AMX_PREFILL_FROM if self.stored and amx else 0
+        # the GEMM route dequantizes every weight tile once per step: a lone long prompt in 2048-token steps
+        # reaches its first token 1.5x sooner than in 512-token ones (docs/quantized.md#prefill)
+        self.solo_prefill_tokens = 2048 if self.stored and self.gemm_prefill_from > 0 else None
         self.rows = max(self.max_rows, self.prefill_rows)
         # stored-type kernels take float activations; bf16 dot products are for bf16 weights
         self.uses_dot = (hardware.dtype == torch.bfloat16 and self.isa == "auto" and not self.stored
