@@ -96,9 +96,7 @@ def test_q8_speculation_is_lossless_and_close_to_bf16():
     same cache, and its pool holds 1.77x the tokens of a bf16 one in the same memory (the draft head's bf16 KV
     shares the budget). Against the bf16 cache, teacher-forced over 128 tokens of real code after 384 more: mean
     next-token KL <= 0.01 nats and top-1 agreement >= 0.9, the stated tolerance (docs/quantized.md#kv-cache)."""
-    # no prefix caching: a second run would reuse the first's prompt blocks but prefill its last partial block on
-    # lowlat, not on the long-prompt GEMMs (lowlat.gemm_prefill_from), and those bits differ
-    llm = LLM(dtype="bfloat16", kv_cache_dtype="q8", kv_cache_memory="0.25GiB", enable_prefix_caching=False)
+    llm = LLM(dtype="bfloat16", kv_cache_dtype="q8", kv_cache_memory="0.25GiB")
     eng = llm.engine
     assert eng.kv.runner.kv_caches[0][0].dtype == torch.uint8 and eng.config.spec == "hybrid"
     code = open(q8.__file__).read()

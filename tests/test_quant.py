@@ -285,23 +285,28 @@ def test_prompt_again_from_prefix_cache_gives_same_tokens(llm_q8):
 @needs_lowlat
 def test_long_prefill_on_the_engine_gemms():
     """gemm_prefill_from: a stored-weights prefill step of at least that many rows runs on the engine's forward
-    (dequantized tiles, PyTorch's GEMM: AMX where the CPU has it), a shorter one on lowlat; the next token's
-    logprob agrees between the two paths within the activations' rounding. Negative values are refused."""
+    (dequantized tiles, PyTorch's GEMM: AMX where the CPU has it) up to its last KV block, the rest and shorter
+    steps on lowlat; the next token's logprob agrees between the two paths within the activations' rounding, and a
+    prompt asked again (its last block recomputed alone from the prefix cache) gets the same bits. Negative values
+    are refused."""
     with pytest.raises(ValueError, match="gemm_prefill_from"):
         LowLatPlugin(gemm_prefill_from=-1)
     prompt = " ".join(quant.__doc__.split()[:120])
     one = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
     got = {}
     for start in (64, 0):
-        llm = LLM(dtype="float32", weights="stored", plugin="lowlat", enable_prefix_caching=False,
+        llm = LLM(dtype="float32", weights="stored", plugin="lowlat", enable_prefix_caching=bool(start),
                   plugin_options={"lowlat": {"threads": 1, "gemm_prefill_from": start}}, kv_cache_memory="0.25GiB")
+        plugin = llm.engine.plugins.plugins[0]
         out = llm.generate(prompt, one)[0]
         assert out.metrics["prompt_tokens"] >= 64
-        counts = dict(llm.engine.plugins.counts)
-        llm.generate("Hi there", one)  # 2-9 rows: lowlat's
-        engine = (counts.get(("none", "prefill"), 0), llm.engine.plugins.counts.get(("lowlat", "prefill"), 0))
-        assert engine == ((1, 1) if start else (0, 2)), engine
+        gemm_rows = plugin.gemm_rows
+        assert (gemm_rows > 48) if start else (gemm_rows == 0), gemm_rows
         got[start] = (out.token_ids, out.logprobs[0]["logprob"])
+        if start:
+            again = llm.generate(prompt, one)[0]
+            assert again.metrics["cached_prompt_tokens"] > 0 and plugin.gemm_rows == gemm_rows
+            assert (again.token_ids, again.logprobs[0]["logprob"]) == got[start]
         llm.close()
     assert got[64][0] == got[0][0] and abs(got[64][1] - got[0][1]) < 0.02
 

@@ -26,6 +26,7 @@ from lanner.plugins.base import (
     StepKind,
     check_options,
 )
+from lanner.layers.attention import build_attention_metadata
 from lanner.plugins.lowlat import pack
 from lanner.plugins.lowlat.heads import DraftHeadKernels
 
@@ -136,6 +137,7 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
         self._others: dict[int, tuple] = {}  # id(draft model) -> (weakref, kernel): built on first use
         self._target_id = None
         self._lock = threading.Lock()  # a kernel's buffers serve one forward at a time
+        self.gemm_rows = 0  # prefill rows the engine's GEMMs ran (gemm_prefill_from)
         self.hardware = None
         self.stored = False  # the target holds GGUF blocks as stored (lanner.models.quant)
         self._segment = None  # under TP on one host: the memory segment the ranks sum through (counted as ours)
@@ -290,12 +292,17 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
 
     tree_verify = True
 
+    def _gemm_route(self, step: Step) -> bool:
+        """A long target prefill step for the engine's GEMMs (AMX where the CPU has it)."""
+        return (step.kind in (StepKind.PREFILL, StepKind.DRAFT_EXTEND) and self.stored and step.model == "target"
+                and 0 < self.gemm_prefill_from <= step.num_tokens)
+
     def covers(self, step: Step) -> bool:
         if self._kernel is None:
             return False
         prefill = step.kind in (StepKind.PREFILL, StepKind.DRAFT_EXTEND)
-        if prefill and self.stored and step.model == "target" and 0 < self.gemm_prefill_from <= step.num_tokens:
-            return False  # the engine's GEMMs (AMX where the CPU has it)
+        if self._gemm_route(step):
+            return step.batch_size == 1  # one sequence: _gemm_then_tail; several: the engine's forward alone
         if prefill and self.stored and step.model == "target" and self.prefill_rows:
             return True  # any length and batch, in pieces (_model_forward): every prompt token gets lowlat's bits
         if step.batch_size > self.max_batch:
@@ -305,7 +312,25 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
     def forward(self, step: Step, model, *args):
         if step.model == "draft_head":
             return self._head_forward(model, *args)
+        if self._gemm_route(step):
+            return self._gemm_then_tail(model, *args)
         return self._model_forward(model, *args)
+
+    def _gemm_then_tail(self, model, input_ids, positions, kv_caches, meta, capture_layers=()):
+        """One sequence's long prefill step: the engine's GEMMs up to the step's last KV block, lowlat from there.
+        A prompt asked again is served from the prefix cache up to that block and recomputes only its last block,
+        on lowlat: with the same bits as here, so it gets the same answer (the GEMMs' bits differ from lowlat's)."""
+        q, ctx, bs = meta.q_lens[0], meta.ctx_lens[0], meta.block_size
+        cut = (ctx - 1) // bs * bs - (ctx - q)  # the step's rows before its last block
+        if cut <= 0 or meta.tree or meta.group_tables:
+            return model(input_ids, positions, kv_caches, meta, capture_layers)
+        head = build_attention_metadata([cut], [ctx - q + cut], meta.block_tables, bs, input_ids.device)
+        h1, c1 = model(input_ids[:cut], positions[:cut], kv_caches, head, capture_layers)
+        h2, c2 = self._model_forward(model, input_ids[cut:], positions[cut:], kv_caches,
+                                     build_attention_metadata([q - cut], [ctx], meta.block_tables, bs,
+                                                              input_ids.device), capture_layers)
+        self.gemm_rows += cut
+        return torch.cat([h1, h2]), [torch.cat(pair) for pair in zip(c1, c2)]
 
     def _model_forward(self, model, input_ids, positions, kv_caches, meta, capture_layers=()):
         kernel = self._kernel_for(model)
