@@ -20,7 +20,7 @@ import time
 import torch
 
 from lanner import LLM
-from lanner.bench.forward import divergence, teacher_forced_logprobs
+from lanner.bench.forward import block_table, divergence, teacher_forced_logprobs
 from lanner.bench.report import environment, markdown_table, pyplot, write_json
 from lanner.engine.runner import SeqChunk
 from lanner.plugins import StepKind
@@ -53,13 +53,8 @@ assert len(ids_all) >= longest, f"{len(ids_all)} tokens of text, {longest} neede
 print(f"text: {len(site)} files of torch/nn/modules, {len(ids_all)} tokens", flush=True)
 
 
-def table(llm, n):
-    bs = llm.engine.kv.block_size
-    return list(range((n + bs - 1) // bs))
-
-
 def decode_ms(llm, ids, reps):
-    runner, bt = llm.engine.kv.runner, table(llm, len(ids) + args.decode + 1)
+    runner, bt = llm.engine.kv.runner, block_table(llm, len(ids) + args.decode + 1)
     t0 = time.perf_counter()
     with torch.inference_mode():
         runner.run([SeqChunk([ids[-1]], len(ids) + reps, bt, "last")], StepKind.DECODE, argmax=True)

@@ -33,6 +33,11 @@ def forward_rows(model, plugin, kv, rows: list[tuple[list[int], int, list[int]]]
         return hidden, plugin.compute_logits(step, model, hidden)
 
 
+def block_table(llm, tokens: int) -> list[int]:
+    """An idle engine's KV blocks 0.. as one sequence's table of `tokens` positions (outside the scheduler)."""
+    return list(range(-(-tokens // llm.engine.kv.block_size)))
+
+
 def teacher_forced_logprobs(llm, ids: list[int], n_eval: int, rows: int = 32, room: int = 0) -> torch.Tensor:
     """Through an idle engine's runner (its KV blocks 0.. as one sequence's table): prefills ids[:-n_eval] in
     max_num_batched_tokens steps, then feeds the last n_eval tokens in verify steps of `rows` rows (lowlat's own
@@ -40,8 +45,8 @@ def teacher_forced_logprobs(llm, ids: list[int], n_eval: int, rows: int = 32, ro
     past ids the table covers (for decode steps after it)."""
     from lanner.engine.runner import SeqChunk
 
-    runner, mnbt, bs = llm.engine.kv.runner, llm.engine.config.max_num_batched_tokens, llm.engine.kv.block_size
-    table, head = list(range((len(ids) + room + bs - 1) // bs)), len(ids) - n_eval
+    runner, mnbt = llm.engine.kv.runner, llm.engine.config.max_num_batched_tokens
+    table, head = block_table(llm, len(ids) + room), len(ids) - n_eval
     with torch.inference_mode():
         for s in range(0, head, mnbt):
             runner.run([SeqChunk(ids[s : min(s + mnbt, head)], s, table, "none")], StepKind.PREFILL)
