@@ -1,11 +1,10 @@
 // lowlat's attention over the paged KV cache: one item (a sequence's run of q heads over its keys) at a time,
 // with PyTorch's CPU flash attention arithmetic; Model::attention runs it on its own for tests.
 #pragma once
+#include "attention_amx.h"
 #include "model.h"
 
 namespace lowlat {
-
-static int64_t g_attn_prefetch = 2;  // attention: key / value tiles prefetched ahead (0: off; set_attn_prefetch)
 
 // one attention item: the q heads h0 .. h0 + nh - 1 of one kv group (GQA), rows t0..t0+nq-1 of q at positions
 // pos[t] over keys 0..ctx-1. Each key and value vector is loaded once for all the item's (row, head) pairs.
@@ -28,6 +27,11 @@ inline void Model::attend(const float* q, const int64_t* pos, int64_t t0, int64_
                           const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0,
                           int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc,
                           int64_t win, bool q8) const {
+#ifdef LOWLAT_AMX
+  if constexpr (std::is_same<WT, bf16_t>::value)
+    if (attn_amx && !q8 && D % 32 == 0)
+      return attend_amx<XT>(q, pos, t0, nq, ctx, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+#endif
 #define LOWLAT_ATTEND(NV, Q8) attend_nv<WT, XT, NV, Q8>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, \
                                                         O, anc, win)
   switch (D / 16) {  // the head size as a constant: the key, value and accumulator vectors stay in registers
@@ -285,33 +289,8 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
       const int64_t s0 = std::max(lo[i], n0) - n0;  // valid keys of row i in this block: s0 .. s0 + n - 1
       const int64_t n = std::min(lim[i], n1) - n0 - s0;
       if (n <= 0) continue;
-      float* srow = S.data() + r * ldS + s0;
-      __m512 mv = _mm512_set1_ps(mx[r]);  // the running max (a max is exact: the order is free)
-      for (int64_t j = 0; j < n; j += 16) {
-        const __mmask16 mk = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 x = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), _mm512_maskz_loadu_ps(mk, srow + j));
-        mv = _mm512_max_ps(mv, x);
-      }
-      const float m = _mm512_reduce_max_ps(mv);
-      mv = _mm512_set1_ps(m);
       const int64_t nvec = (invariant ? n : std::max<int64_t>(0, std::min(n, vec_end - n0 - s0))) / 16 * 16;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t j = 0; j < nvec; j += 16) {
-        const __m512 xm = _mm512_sub_ps(_mm512_loadu_ps(srow + j), mv);
-        __m512 e = kBf ? exp512_fast(xm) : exp512_u20(xm);
-        acc = _mm512_add_ps(acc, e);
-        if (kBf) e = rbf16(e);
-        _mm512_storeu_ps(srow + j, e);
-      }
-      float bsum = _mm512_reduce_add_ps(acc);
-      for (int64_t j = nvec; j < n; j++) {
-        const float e = std::exp(srow[j] - m);
-        bsum += e;
-        srow[j] = kBf ? rbf(e) : e;
-      }
-      const float corr = std::exp(mx[r] - m);  // exp(-inf) = 0 on the first block
-      sum[r] = bsum + corr * sum[r];
-      mx[r] = m;
+      const float corr = softmax_block(S.data() + r * ldS + s0, n, nvec, kBf, mx[r], sum[r]);
       if (n0 > 0) {  // (zeros times 0 on a windowed row's first block)
         float* o = O.data() + r * D;
         for (int64_t d = 0; d < D; d++) o[d] *= corr;

@@ -210,6 +210,38 @@ static inline __m512 exp512_fast(__m512 x) {
   return _mm512_castsi512_ps(v);
 }
 
+// one row's online-softmax step over the n scores of a key block at s (replaced by their exponentials, rounded to
+// bf16 for bf16 models): the first nvec (a multiple of 16) through the vector exp (fexp_u20 for bf16, exp_u20
+// else), the rest through std::exp; m / sum: the row's running max and sum. Returns the factor its output so far
+// is scaled by (0 on its first block: exp(-inf))
+static inline float softmax_block(float* s, int64_t n, int64_t nvec, bool bf16, float& m, float& sum) {
+  __m512 mv = _mm512_set1_ps(m);  // (a max is exact: the order is free)
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 mk = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+    mv = _mm512_max_ps(mv, _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), _mm512_maskz_loadu_ps(mk, s + j)));
+  }
+  const float mnew = _mm512_reduce_max_ps(mv);
+  mv = _mm512_set1_ps(mnew);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nvec; j += 16) {
+    const __m512 xm = _mm512_sub_ps(_mm512_loadu_ps(s + j), mv);
+    __m512 e = bf16 ? exp512_fast(xm) : exp512_u20(xm);
+    acc = _mm512_add_ps(acc, e);
+    if (bf16) e = rbf16(e);
+    _mm512_storeu_ps(s + j, e);
+  }
+  float bsum = _mm512_reduce_add_ps(acc);
+  for (int64_t j = nvec; j < n; j++) {
+    const float e = std::exp(s[j] - mnew);
+    bsum += e;
+    s[j] = bf16 ? rbf(e) : e;
+  }
+  const float corr = std::exp(m - mnew);
+  sum = bsum + corr * sum;
+  m = mnew;
+  return corr;
+}
+
 // sum of squares in 16 float32 lanes, then across lanes: close to PyTorch's vectorized mean of x^2 in
 // F.rms_norm (bf16 results agree in all but ~1e-6 of elements; a sequential sum disagrees in ~1e-4)
 // lane k = _mm512_reduce_add_ps(a[k]), bit for bit (GCC adds halves, then quarters, then (x0 + x2) + (x1 + x3);

@@ -43,6 +43,7 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("have_avx512_bf16") = lowlat::kHaveDot;
+  m.attr("have_amx_bf16") = lowlat::have_amx();
 #ifdef __AVX512F__
   m.attr("isa") = "avx512";
 #else
@@ -70,6 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("argmax") = false)
       .def_readwrite("invariant", &lowlat::Model::invariant)
       .def_readwrite("attn_dot", &lowlat::Model::attn_dot)
+      .def_readwrite("attn_amx", &lowlat::Model::attn_amx)
       .def_readwrite("profile", &lowlat::Model::profile)
       .def_readwrite("prof", &lowlat::Model::prof)
       .def_readwrite("prof_calls", &lowlat::Model::prof_calls)

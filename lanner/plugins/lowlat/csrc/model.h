@@ -99,6 +99,8 @@ struct Model {
   bool kv_q8 = false;  // forward()'s caches hold Q8_0 rows (uint8 [slots, Hkv, D / 32 * 34]), not the model dtype
   // bf16 models: attention's products through vdpbf16ps (see attend_nv; the same bits as the FMA path)
   bool attn_dot = false;
+  // bf16 models with a bf16 cache: attention on AMX tiles (attention_amx.h; other bits than the FMA path's)
+  bool attn_amx = false;
   std::vector<std::vector<int64_t>> tree_;  // forward()'s draft-tree rows per sequence (see attend)
   // Gemma 3 (set_gemma): every norm is x / rms(x) * (1 + w) with the float32 (1 + w) passed in (one rounding, as
   // transformers' Gemma3RMSNorm); post-norms on the attention and feed-forward outputs before their residual
@@ -445,6 +447,11 @@ struct Model {
               const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0, int64_t nh,
               XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc = nullptr,
               int64_t win = 0, bool q8 = false) const;
+  template <typename XT>
+  void attend_amx(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx,
+                  const std::vector<int64_t>& bt, int64_t bs, const bf16_t* kc, const bf16_t* vc, int64_t h0,
+                  int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc,
+                  int64_t win) const;
   template <typename WT, typename XT, int NV, bool Q8>
   void attend_nv(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
                  const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0, int64_t nh,
