@@ -1,5 +1,7 @@
-"""lowlat's attention on AMX tiles (csrc/attention_amx.h; bf16 models, bf16 caches, CPUs with AMX-BF16): close to
-the FMA path, batch-invariant bit for bit, and lossless under speculation with draft trees."""
+"""lowlat on AMX tiles. Attention (csrc/attention_amx.h; bf16 models, bf16 caches, AMX-BF16): close to the FMA path,
+batch-invariant bit for bit, lossless under speculation with draft trees. GGUF-block GEMVs of several rows
+(csrc/quant_amx.h; AMX-INT8): the VNNI kernel's bits for every stored format and row count."""
+import numpy as np
 import pytest
 import torch
 
@@ -8,9 +10,12 @@ from lanner.cpu import cpu_flags
 from lanner.plugins import Hardware
 from lanner.plugins.lowlat import LowLatPlugin
 from conftest import needs_avx512
+from lanner.models import quant
 from test_lowlat import tiny_model
+from test_quant import _random_k_blocks, models, plugins  # noqa: F401 (fixtures)
 
-pytestmark = [needs_avx512, pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="needs a CPU with AMX-BF16")]
+pytestmark = [needs_avx512, pytest.mark.skipif(not {"amx_bf16", "amx_int8"} <= cpu_flags(),
+                                               reason="needs a CPU with AMX-BF16 and AMX-INT8")]
 
 
 def kernel_for(heads, kv_heads, head_dim):
@@ -70,3 +75,28 @@ def test_bf16_tree_speculation_is_lossless_on_amx():
     assert alone == batch == [llm.generate(p, plain)[0].token_ids for p in prompts]
     assert any(p is not None and len(set(p)) < len(p) for p in trees)  # trees that branch were verified
     assert llm.engine.plugins.counts.get(("lowlat", "verify"), 0) > 5
+
+
+def test_amx_gemv_has_the_vnni_bits(plugins):
+    """Q4_K / Q5_K / Q6_K / Q4_1 / Q8_0 weights (u4, u5, u6 codes with Q6_K's 16-element units, s8) against 2-40 q8
+    activation rows: every output of the AMX path (steps of >= 2 rows; over 16 rows, whole 16s on tiles and the
+    rest on VNNI) equals the VNNI kernel's bit for bit, so a row's result does not depend on the step's rows."""
+    plugin = plugins["q8"]  # (the bundled model's kernel: qlinear takes weights up to its width)
+    kernel, ext = plugin._kernel, plugin.extension()
+    n, k = 40, 512  # (40 rows: a partial group of 16)
+    rng = np.random.default_rng(7)
+    scales = lambda count: (rng.uniform(0.5, 2, (n, k // 32, count)) * 1e-3).astype(np.float16).view(np.uint8)  # noqa
+    raw = {name: _random_k_blocks(name, n, k, 7) for name in ("Q4_K", "Q5_K", "Q6_K")}
+    raw["Q4_1"] = np.concatenate([scales(2), rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)], 2)
+    raw["Q8_0"] = np.concatenate([scales(1), rng.integers(0, 256, (n, k // 32, 32), dtype=np.uint8)], 2)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(2))
+    try:
+        for name, blocks in raw.items():
+            w = quant.interleave(quant.repack(blocks.reshape(n, -1), name, k))
+            ext.set_amx_gemv_rows(0)
+            want = kernel.qlinear(x, w, n, True)
+            ext.set_amx_gemv_rows(2)
+            for m in (2, 5, 16, 17, 40):
+                assert torch.equal(kernel.qlinear(x[:m], w, n, True), want[:m]), (name, m)
+    finally:
+        ext.set_amx_gemv_rows(plugin.amx_gemv_rows)

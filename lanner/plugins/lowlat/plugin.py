@@ -79,6 +79,9 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
     amx_attention: attention on AMX tiles for bf16 models with a bf16 KV cache, on CPUs with AMX-BF16 (default
         on there): 1.9x the FMA kernel's speed for a decode row, 3-4x for 4-16 verify rows (tools/lowlat_attention.py);
         batch-invariant too, but its bits are not the FMA kernel's;
+    amx_gemv_rows: GGUF-block GEMVs with q8 activations of at least this many rows run on AMX-INT8 tiles, on CPUs
+        with them (0: never), with the VNNI kernel's bits; default 8 (Qwen2.5-Coder-1.5B, 2 threads: 8 / 16 rows
+        1.05x / 1.28x faster, 2 / 4 rows slower; tools/qgemv_rows.py --amx-rows 0,2);
     invariant: batch-invariant GEMVs and attention (a row's bits do not depend on the other rows of its step, so
         speculative greedy output equals plain greedy output in every dtype); default on. Off: the GEMVs pick
         their accumulator chains per block size and attention mirrors PyTorch's exp variants.
@@ -94,11 +97,12 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
     # act="auto": q8 from this many parameters (results/bench_quant_qwen.json: on the 1.5B model q8 decodes 1.3x
     # q16 and parts from llama.cpp's greedy tokens where q16 does; on the 135M model q8 changes answers)
     Q8_FROM = 1_000_000_000
+    AMX_GEMV_ROWS = 8  # amx_gemv_rows' default (see the option)
     AMX_PREFILL_FROM = 128  # gemm_prefill_from's default with AMX: the rows where the paths break even (Qwen 1.5B)
     OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
                                "isa": str, "allreduce": str, "timeout_s": (int, float), "act": str,
                                "invariant": bool, "head_weights": str, "gemm_prefill_from": int,
-                               "amx_attention": bool}
+                               "amx_attention": bool, "amx_gemv_rows": int}
 
     def __init__(self, **options):
         check_options("lowlat", options, self.OPTIONS)
@@ -112,6 +116,9 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
         self.act = options.get("act", "auto")
         self.invariant = options.get("invariant")
         self.amx_attention = options.get("amx_attention", True)
+        self.amx_gemv_rows = options.get("amx_gemv_rows", self.AMX_GEMV_ROWS)
+        if self.amx_gemv_rows < 0:
+            raise ValueError("plugin lowlat: amx_gemv_rows must be >= 0")
         # an EAGLE head's matrices: "q8" (Q8_0 blocks, made at load) or "dense" (its own dtype)
         self.head_weights = options.get("head_weights", "q8")
         self.gemm_prefill_from = self.options_gemm_prefill_from = options.get("gemm_prefill_from")  # None: at build
@@ -404,6 +411,9 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
         # attention through vdpbf16ps: the FMA path's bits with fewer instructions
         kernel.attn_dot = self.isa == "auto" and self.extension().have_avx512_bf16
         kernel.attn_amx = self.amx_attention and self.isa == "auto" and self.extension().have_amx_bf16
+        # (a process-wide setting of the extension, like its prefetch distances)
+        self.extension().set_amx_gemv_rows(self.amx_gemv_rows if self.isa == "auto" and self.extension().have_amx_int8
+                                           else 0)
         return kernel
 
     def _kernel_for(self, model):

@@ -21,8 +21,6 @@
 #include "model.h"
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define LOWLAT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace lowlat {
@@ -30,11 +28,6 @@ namespace lowlat {
 static int64_t g_attn_prefetch = 2;  // attention: key / value tiles prefetched ahead (0: off; set_attn_prefetch)
 
 #ifdef LOWLAT_AMX
-// Linux gives a process AMX tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
-inline bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
 inline bool have_amx() { return amx_permitted(); }
 
 // row n of out (out + n * ldo) = column n of the 16 x 16 floats at in (rows at in + k * ldi), times s; rows
@@ -96,12 +89,12 @@ inline void Model::attend_amx(const float* q, const int64_t* pos, int64_t t0, in
     return shift >= 0 ? (bt[p >> shift] << shift) + (p & (bs - 1)) : bt[p / bs] * bs + p % bs;
   };
   // 8 tiles of 16 rows x 64 bytes: 0 / 1 operands, 2 / 3 and 6 / 7 accumulators, 4 / 5 the odd / even P operands
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-    uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-  } cfg;
-  _tile_loadconfig(&cfg);
+  TileConfig cfg;
+  for (int t = 0; t < 8; t++) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  cfg.load();
   const __m512 scv = _mm512_set1_ps(float(scale));
   for (int64_t gg = h0 / rep; gg <= (h0 + nh - 1) / rep; gg++) {
     const int64_t ha = std::max(h0, gg * rep), nhg = std::min(h0 + nh, (gg + 1) * rep) - ha;

@@ -14,6 +14,8 @@
 #include <omp.h>
 
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>

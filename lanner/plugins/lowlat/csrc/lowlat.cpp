@@ -44,11 +44,14 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("have_avx512_bf16") = lowlat::kHaveDot;
   m.attr("have_amx_bf16") = lowlat::have_amx();
+  m.attr("have_amx_int8") = lowlat::have_amx_int8();
 #ifdef __AVX512F__
   m.attr("isa") = "avx512";
 #else
   m.attr("isa") = "avx2";
 #endif
+  m.def("set_amx_gemv_rows", [](int rows) { lowlat::g_amx_gemv_rows = rows; },
+        "qgemv: steps of at least this many q8 / q16 rows on AMX-INT8 tiles (0: never)");
   m.def("set_attn_prefetch", [](int64_t tiles) { lowlat::g_attn_prefetch = tiles; },
         "attention: how many 16-key tiles ahead the cache rows are prefetched (0: off)");
   m.def("set_qprefetch", [](int64_t bytes) { lowlat::g_qprefetch = bytes; },

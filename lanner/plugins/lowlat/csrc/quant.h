@@ -393,6 +393,8 @@ static inline void group_rows(const QW& w, int64_t g, const ARow* xr, int act, b
   else group_float<MB, F>(w, g, xr, pf, out);
 }
 
+#include "quant_amx.h"
+
 // activation rows per block: as many as the registers hold with each row's integer sums and float accumulators
 // (q16: 2 planes) kept across a unit; more spill. Smaller blocks leave a leftover block of 1-2 rows that costs
 // nearly a whole pass (tools/qgemv_rows.py --block-rows 4,5, q16, 1 thread: 5 / 9 rows 8.54 / 13.92 ms in blocks
@@ -412,20 +414,37 @@ static inline void block(const QW& w, int64_t g, const ARow* xr, int act, bool p
 
 // rows [n0, n1) of W against M prepared activation rows (xq, stride qstride bytes): out[m * ldo + n]. Whole
 // groups are computed; only the lanes in [n0, n1) are stored. Groups outside, rows inside: a group's codes come
-// from memory once, for the first block of rows, and from L1 for the others (a verify step costs about what a
-// decode step does)
+// from memory once, for the first block of rows, and from L1 for the others. With AMX-INT8 and at least
+// g_amx_gemv_rows q8 rows, the first rows (all up to 16, else whole 16s) go through group_amx, with the same bits.
 static void qgemv(const QW& w, int64_t n0, int64_t n1, char* xq, int64_t qstride, int act, int M, float* out,
                   int64_t ldo) {
   const int rows = block_rows(act);
+  int ma = 0;  // rows on AMX tiles
+#ifdef LOWLAT_AMX_INT8
+  if (g_amx_gemv_rows > 0 && M >= g_amx_gemv_rows && act == kActQ8) {
+    ma = M <= 16 ? M : M / 16 * 16;
+    amx_gemv_config(std::min(ma, 16), w.fmt == kU6 ? 16 : 32);
+  }
+#endif
   for (int64_t g = n0 / kGroup; g * kGroup < n1; g++) {
     const int64_t lo = std::max(n0, g * kGroup) - g * kGroup, hi = std::min(n1, (g + 1) * kGroup) - g * kGroup;
     const __mmask16 mk = (__mmask16)(((1u << (hi - lo)) - 1) << lo);
-    for (int m0 = 0; m0 < M; m0 += rows) {
+#ifdef LOWLAT_AMX_INT8
+    for (int m0 = 0; m0 < ma; m0 += 16) {
+      const int mb = std::min(16, ma - m0);
+      ARow xr[16];
+      for (int r = 0; r < mb; r++) xr[r] = ARow::at(xq + (m0 + r) * qstride, w.nbp);
+      __m512 res[16];
+      group_amx_fmt(w, g, xr, xq + m0 * qstride, qstride, mb, m0 == 0, res);
+      for (int r = 0; r < mb; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + g * kGroup, mk, res[r]);
+    }
+#endif
+    for (int m0 = ma; m0 < M; m0 += rows) {
       const int mb = std::min(rows, M - m0);
       ARow xr[6];
       for (int r = 0; r < mb; r++) xr[r] = ARow::at(xq + (m0 + r) * qstride, w.nbp);
       __m512 res[6];
-      const bool pf = m0 == 0;
+      const bool pf = m0 == 0;  // (ma > 0: group_amx prefetched)
       switch (mb) {
         case 1: block<1>(w, g, xr, act, pf, res); break;
         case 2: block<2>(w, g, xr, act, pf, res); break;
@@ -437,6 +456,9 @@ static void qgemv(const QW& w, int64_t n0, int64_t n1, char* xq, int64_t qstride
       for (int r = 0; r < mb; r++) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + g * kGroup, mk, res[r]);
     }
   }
+#ifdef LOWLAT_AMX_INT8
+  if (ma) _tile_release();
+#endif
 }
 
 // rows [n0, n1) of a segmented weight: each segment's share of them
