@@ -1,7 +1,7 @@
 // Several q8 activation rows against stored-type weights on AMX-INT8 tiles (included inside quant.h's namespace,
 // after group_int, whose arithmetic this reproduces). group_int spends 8 vpdpbusd per activation row per 32-element
-// unit, so past ~4 rows a verify GEMV outran the memory stream (8 rows: 1.74x a decode row's time, 16: 2.84x on
-// Qwen2.5-Coder-1.5B, tools/qgemv_rows.py). Here a unit's code vectors, which the interleaved layout holds as 16
+// unit, so past ~4 rows a verify GEMV outran the memory stream (8 rows: 1.91x a decode row's time, 16: 3.11x on
+// Qwen2.5-Coder-1.5B, 2 threads; docs/quantized.md#amx-gemv). Here a unit's code vectors, which the interleaved layout holds as 16
 // weight rows x 4 codes per 64 bytes, are a tile product's B operand once unpacked, the rows' codes at the unit are
 // A (one tile row per activation row, at the prepared rows' stride), and one tdpbsud (tdpbssd for s8 codes) gives
 // every (activation row, weight row) integer sum of the unit. Integer sums are exact, so with group_int's bias and
