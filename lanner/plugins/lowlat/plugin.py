@@ -77,11 +77,12 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
         change visibly, on Qwen2.5-Coder-1.5B they part from llama.cpp's where q16's do, at small top-2 gaps) or
         "float" (float32 activations against the exact dequantized weights);
     amx_attention: attention on AMX tiles for bf16 models with a bf16 KV cache, on CPUs with AMX-BF16 (default
-        on there): 1.9x the FMA kernel's speed for a decode row, 3-4x for 4-16 verify rows (tools/lowlat_attention.py);
+        on there): 1.1-2.5x the FMA kernel's speed for a decode row (least at long contexts, where one core's
+        reads bound it), 2-3.9x for 4-16 verify rows (tools/lowlat_attention.py);
         batch-invariant too, but its bits are not the FMA kernel's;
     amx_gemv_rows: GGUF-block GEMVs with q8 activations of at least this many rows run on AMX-INT8 tiles, on CPUs
         with them (0: never), with the VNNI kernel's bits; default 8 (Qwen2.5-Coder-1.5B, 2 threads: 8 / 16 rows
-        1.05x / 1.28x faster, 2 / 4 rows slower; tools/qgemv_rows.py --amx-rows 0,2);
+        1.14x / 1.37x faster, 2 / 4 rows slower; tools/qgemv_rows.py --amx-rows 0,2,8);
     invariant: batch-invariant GEMVs and attention (a row's bits do not depend on the other rows of its step, so
         speculative greedy output equals plain greedy output in every dtype); default on. Off: the GEMVs pick
         their accumulator chains per block size and attention mirrors PyTorch's exp variants.

@@ -109,27 +109,9 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
   float* mx = O.data() + R * D;  // running max and sum per item row
   float* sum = mx + R;
   const __m512 scv = _mm512_set1_ps(float(scale));
-  int64_t lim[kMaxRows], lo[kMaxRows];
-  int64_t maxlim = 0, minlo = ctx;
-  const int64_t c0 = ctx - nq;  // slot position of the step's first row
-  int8_t path[64][64];  // tree row i's k-th key past the context is step row path[i][k] (a tree has <= 63 rows)
-  if (anc != nullptr)
-    for (int64_t i = 0; i < nq; i++)
-      for (int64_t r = 0, k = 0; r <= i; r++)
-        if ((anc[i] >> r) & 1) path[i][k++] = int8_t(r);
-  // the cache slot of row i's j-th key (a shift and a mask for the usual power-of-two block size: an int64
-  // division per key costs more than its dot product)
-  const int shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(uint64_t(bs)) : -1;
-  auto slot = [&](int64_t i, int64_t j) {
-    const int64_t p = anc != nullptr && j >= c0 ? c0 + path[i][j - c0] : j;
-    return shift >= 0 ? (bt[p >> shift] << shift) + (p & (bs - 1)) : bt[p / bs] * bs + p % bs;
-  };
-  for (int64_t i = 0; i < nq; i++) {
-    lim[i] = anc != nullptr ? c0 + __builtin_popcountll(uint64_t(anc[i])) : std::min(pos[t0 + i] + 1, ctx);
-    lo[i] = win > 0 ? std::max<int64_t>(0, pos[t0 + i] - win + 1) : 0;
-    maxlim = std::max(maxlim, lim[i]);
-    minlo = std::min(minlo, lo[i]);
-  }
+  const ItemKeys ks(pos, t0, nq, ctx, bt, bs, anc, win);
+  const int64_t *lim = ks.lim, *lo = ks.lo, maxlim = ks.maxlim, minlo = ks.minlo, c0 = ks.c0;
+  auto slot = [&](int64_t i, int64_t j) { return ks.slot(i, j); };
   std::fill(mx, mx + R, -INFINITY);
   std::fill(sum, sum + R, 0.f);
   std::fill(O.begin(), O.begin() + R * D, 0.f);

@@ -27,6 +27,39 @@ namespace lowlat {
 
 static int64_t g_attn_prefetch = 2;  // attention: key / value tiles prefetched ahead (0: off; set_attn_prefetch)
 
+// the keys an attention item's step rows read (attend_nv and attend_amx): row i reads keys lo[i] .. lim[i] - 1 (its
+// window and position; a draft tree's rows, their ancestors past the context), and slot(i, j) is where its j-th
+// key sits in the cache
+struct ItemKeys {
+  int64_t lim[kMaxRows], lo[kMaxRows], maxlim = 0, minlo, c0;  // c0: position of the step's first row
+  int8_t path[64][64];  // tree row i's k-th key past the context is step row path[i][k] (a tree has <= 63 rows)
+  const std::vector<int64_t>& bt;
+  const int64_t bs;
+  const int64_t* anc;
+  int shift;
+  ItemKeys(const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, const std::vector<int64_t>& bt_, int64_t bs_,
+           const int64_t* anc_, int64_t win)
+      : minlo(ctx), c0(ctx - nq), bt(bt_), bs(bs_), anc(anc_) {
+    if (anc != nullptr)
+      for (int64_t i = 0; i < nq; i++)
+        for (int64_t r = 0, k = 0; r <= i; r++)
+          if ((anc[i] >> r) & 1) path[i][k++] = int8_t(r);
+    for (int64_t i = 0; i < nq; i++) {
+      lim[i] = anc != nullptr ? c0 + __builtin_popcountll(uint64_t(anc[i])) : std::min(pos[t0 + i] + 1, ctx);
+      lo[i] = win > 0 ? std::max<int64_t>(0, pos[t0 + i] - win + 1) : 0;
+      maxlim = std::max(maxlim, lim[i]);
+      minlo = std::min(minlo, lo[i]);
+    }
+    // a shift and a mask for the usual power-of-two block size: an int64 division per key costs more than its
+    // dot product
+    shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(uint64_t(bs)) : -1;
+  }
+  int64_t slot(int64_t i, int64_t j) const {
+    const int64_t p = anc != nullptr && j >= c0 ? c0 + path[i][j - c0] : j;
+    return shift >= 0 ? (bt[p >> shift] << shift) + (p & (bs - 1)) : bt[p / bs] * bs + p % bs;
+  }
+};
+
 #ifdef LOWLAT_AMX
 inline bool have_amx() { return amx_permitted(); }
 
@@ -70,24 +103,9 @@ inline void Model::attend_amx(const float* q, const int64_t* pos, int64_t t0, in
   // operand's 16 rows would put them in two L1 sets)
   constexpr int64_t kBlock = 512, kTile = 16, ldS = kBlock + 16;
   const int64_t rep = H / Hkv, DC = D / 32, ldkv = Hkv * D;  // ldkv: elements from one slot's rows to the next
-  const int64_t c0 = ctx - nq;
-  int64_t lim[kMaxRows], lo[kMaxRows], maxlim = 0, minlo = ctx;
-  int8_t path[64][64];  // as attend_nv: tree row i's k-th key past the context is step row path[i][k]
-  if (anc != nullptr)
-    for (int64_t i = 0; i < nq; i++)
-      for (int64_t r = 0, k = 0; r <= i; r++)
-        if ((anc[i] >> r) & 1) path[i][k++] = int8_t(r);
-  for (int64_t i = 0; i < nq; i++) {
-    lim[i] = anc != nullptr ? c0 + __builtin_popcountll(uint64_t(anc[i])) : std::min(pos[t0 + i] + 1, ctx);
-    lo[i] = win > 0 ? std::max<int64_t>(0, pos[t0 + i] - win + 1) : 0;
-    maxlim = std::max(maxlim, lim[i]);
-    minlo = std::min(minlo, lo[i]);
-  }
-  const int shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(uint64_t(bs)) : -1;
-  auto slot = [&](int64_t i, int64_t j) {
-    const int64_t p = anc != nullptr && j >= c0 ? c0 + path[i][j - c0] : j;
-    return shift >= 0 ? (bt[p >> shift] << shift) + (p & (bs - 1)) : bt[p / bs] * bs + p % bs;
-  };
+  const ItemKeys ks(pos, t0, nq, ctx, bt, bs, anc, win);
+  const int64_t *lim = ks.lim, *lo = ks.lo, maxlim = ks.maxlim, minlo = ks.minlo, c0 = ks.c0;
+  auto slot = [&](int64_t i, int64_t j) { return ks.slot(i, j); };
   // 8 tiles of 16 rows x 64 bytes: 0 / 1 operands, 2 / 3 and 6 / 7 accumulators, 4 / 5 the odd / even P operands
   TileConfig cfg;
   for (int t = 0; t < 8; t++) {
@@ -106,7 +124,7 @@ inline void Model::attend_amx(const float* q, const int64_t* pos, int64_t t0, in
     uint32_t* ae = reinterpret_cast<uint32_t*>(sc + Rp * ldS);     // [Rp][ldS] exponentials >> 16
     uint32_t* qp = ae + Rp * ldS;                                  // [nqc][DC][16 pairs][16 columns]
     bf16_t* tmp = reinterpret_cast<bf16_t*>(qp + nqc * DC * 256);  // a gathered 16-key tile [16][D]
-    float* ce = reinterpret_cast<float*>(tmp + 16 * D) + 0;        // tile stores [16][16] x 2
+    float* ce = reinterpret_cast<float*>(tmp + 16 * D);            // tile stores [16][16] x 2
     float* co = ce + 256;
     float* am = co + 256;  // a tree row's masked P operands [16][16] x 2
     float* o = O.data();
