@@ -106,7 +106,7 @@ def _all_step_logprobs(s, head, embed):
     return [logps[j][p] for j, p in zip(s.steps.tolist(), s.pos.tolist())]
 
 
-@pytest.mark.parametrize("method", ["dpo", "grpo"])
+@pytest.mark.parametrize("method", ["dpo", "grpo", "lk"])
 def test_training_moves_the_head_toward_the_target(setup, method):
     tmp, target, spec, prompts = setup
     cfg = RCSDConfig(method=method, k=3, ks=(1, 2, 3), epochs=3, lr=2e-3, warmup_steps=2, grad_accum=2,
@@ -119,6 +119,13 @@ def test_training_moves_the_head_toward_the_target(setup, method):
     if method == "dpo":
         assert hist[0]["loss"] == pytest.approx(0.693, abs=0.05)  # the policy starts as the reference
         assert hist[-1]["loss"] < 0.6 and hist[-1]["reward"] > 0
+    elif method == "lk":  # the control trains on the target's own sequences only, toward acceptance
+        assert {r["k"] for r in rows} == {0}
+        def mean(key, part):  # over 4 optimizer steps: one step sees 2 prompts
+            return sum(h[key] for h in part) / len(part)
+        first, last = hist[:4], hist[-4:]
+        assert mean("loss", last) < 0.9 * mean("loss", first)
+        assert mean("top1_all_steps", last) > mean("top1_all_steps", first)
     else:
         # sequences with a high advantage (the target's own first) became likelier under the draft, low ones less
         assert hist[-1]["reward"] > 0 and hist[-1]["kl"] > 0

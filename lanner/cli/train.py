@@ -138,14 +138,15 @@ def run_train_draft(args):
 def add_rcsd(sub):
     from lanner.train.rcsd import RCSDConfig
 
-    p = new_parser(sub, "rcsd", "Continue training a draft head with DPO or GRPO for acceptance length (RCSD).",
+    p = new_parser(sub, "rcsd", "Continue training a draft head with DPO or GRPO for acceptance length (RCSD), or "
+                   "with a direct acceptance objective (LK) as a control.",
                    "Generates, through Lanner's engine with the --init head as draft, per ShareGPT training prompt "
                    "a target-only sequence and sequences where the draft writes k tokens after each target token "
                    "without verification (cached in --data, resumable); then continues training the head with DPO "
-                   "or GRPO against the frozen --init head as reference. Writes the head, training.json (cost, "
+                   "or GRPO against the frozen --init head as reference (LK: the target-only sequences alone). Writes the head, training.json (cost, "
                    "history) and curves.png to --out.")
     add_config_args(p)
-    p.add_argument("--method", choices=["dpo", "grpo"], required=True)
+    p.add_argument("--method", choices=["dpo", "grpo", "lk"], required=True)
     p.add_argument("--init", default="hass", help="the HASS head to start from: 'hass', 'default' or a folder")
     p.add_argument("--out", required=True, help="output folder for the trained head")
     p.add_argument("--data", default="data/rcsd/sequences.jsonl", help="cache of the generated sequences")
@@ -182,7 +183,7 @@ def run_rcsd(args):
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")
     kwargs = single_process(engine_kwargs(args), "rcsd") | {
-        "spec": "draft", "draft": init, "spec_tokens": max(cfg.draft_lengths), "spec_max_batch": args.gen_batch,
+        "spec": "draft", "draft": init, "spec_tokens": cfg.max_chain, "spec_max_batch": args.gen_batch,
         "max_num_seqs": args.gen_batch}
     llm = LLM(**kwargs)
     train, _ = split_sharegpt(args.split_seed)

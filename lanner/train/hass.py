@@ -249,13 +249,21 @@ def ttt_forward(head: DraftHead, embed, feats, ids, steps: int, lengths: list[in
 
 
 def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from, steps: int, decay: float,
-               lengths: list[int] | None = None):
+               lengths: list[int] | None = None, objective: str = "kl", lk_kl_weight: float = 0.1):
     """feats [T, 3h] (target, positions 0..T-1), ids [T], top_i/top_p [T, K] (target distribution of the token
     after each position). Returns (total loss, per-step losses, per-step top-1 accuracy).
 
     lengths (packing, see ttt_forward): several sequences end to end, loss_from a list (each one's prompt
     length). Then total is the sum of the sequences' own totals (divide by their number for the mean a loop over
-    them gives), and per step the losses and accuracies are lists, one value per sequence."""
+    them gives), and per step the losses and accuracies are lists, one value per sequence.
+
+    objective "kl": the top-K cross-entropy (HASS). "lk": a direct acceptance objective in the manner of LK losses
+    (Samarin et al. 2026): -log alpha, alpha = sum_x min(p(x), q(x)) the speculative-sampling acceptance
+    probability of the row (p: the target's top-K renormalized over the draft vocabulary), plus lk_kl_weight
+    times the top-K cross-entropy, which keeps a gradient on rows whose alpha is ~0 (min() passes none to the
+    tokens where q already exceeds p)."""
+    if objective not in ("kl", "lk"):
+        raise ValueError(f"objective: must be 'kl' or 'lk', got {objective!r}")
     packed = lengths is not None
     lengths = [ids.shape[0]] if lengths is None else list(lengths)
     loss_from = list(loss_from) if packed else [loss_from]
@@ -276,7 +284,11 @@ def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from,
     for j, logits in enumerate(ttt_forward(head, embed, feats, ids, steps, lengths if packed else None)):
         logp = logits.float().log_softmax(-1)
         ok = (valid & (pos >= j)).float()
-        loss_rows = -(w * logp.gather(-1, d_ids)).sum(-1)
+        q = logp.gather(-1, d_ids)
+        loss_rows = -(w * q).sum(-1)
+        if objective == "lk":
+            alpha = torch.minimum(w, q.exp()).sum(-1)
+            loss_rows = -alpha.clamp_min(1e-6).log() + lk_kl_weight * loss_rows
         count = torch.zeros(S, device=ids.device).index_add_(0, seg, ok).clamp_min(1)
         loss = torch.zeros(S, device=ids.device).index_add_(0, seg, loss_rows * ok) / count  # per sequence
         hit = torch.zeros(S, device=ids.device).index_add_(0, seg, (logp.argmax(-1) == best).float() * ok) / count

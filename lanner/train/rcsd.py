@@ -17,6 +17,9 @@ Tokens the target wrote are masked out. The frozen initial head is the reference
   log-probability of the sequence + standardized acceptance rate (share of draft-written tokens equal to the
   target's argmax there; the target-only sequence at its pattern positions), standardized within the group;
   clipped token-level policy ratio against the generating (= reference) head plus a k3 KL penalty (beta).
+- LK (the control: a direct acceptance objective, not RCSD): on the target-only sequences alone, every position
+  and chain step 0..k-1 trained as HASS does, with lanner.train.hass.ttt_losses' "lk" objective (-log of the
+  speculative acceptance probability, plus a little of the top-K cross-entropy).
 """
 from __future__ import annotations
 
@@ -32,15 +35,15 @@ from tqdm import tqdm
 from lanner.bench.report import charts_or_warning, pyplot
 from lanner.layers.attention import build_attention_metadata
 from lanner.spec.draft_head import DraftHead
-from lanner.train.hass import load_train_state, save_train_state, ttt_forward
+from lanner.train.hass import load_train_state, save_train_state, ttt_forward, ttt_losses
 
 TARGET_ONLY = 0  # "k" of the sequence the target wrote alone
 
 
 @dataclass
 class RCSDConfig:
-    method: str = "dpo"  # "dpo" | "grpo"
-    k: int = 5  # DPO: draft tokens per target token in the bad sequence (the serving depth)
+    method: str = "dpo"  # "dpo" | "grpo" | "lk"
+    k: int = 5  # DPO: draft tokens per target token in the bad sequence (the serving depth); LK: chain steps
     ks: tuple[int, ...] = (1, 2, 3)  # GRPO: draft-alternating members of a group
     beta: float = 0.1  # DPO temperature / GRPO KL weight
     epsilon: float = 0.2  # GRPO clip
@@ -54,19 +57,19 @@ class RCSDConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.method not in ("dpo", "grpo"):
-            raise ValueError(f"method: must be 'dpo' or 'grpo', got {self.method!r}")
+        if self.method not in ("dpo", "grpo", "lk"):
+            raise ValueError(f"method: must be 'dpo', 'grpo' or 'lk', got {self.method!r}")
         if not 1 <= self.k <= 8 or not all(1 <= k <= 8 for k in self.ks) or not self.ks:
             raise ValueError("k and ks: draft lengths must be in 1..8")
 
     @property
     def draft_lengths(self) -> list[int]:
         """The unverified draft lengths whose sequences this method needs besides the target-only one."""
-        return [self.k] if self.method == "dpo" else sorted(set(self.ks))
+        return {"dpo": [self.k], "grpo": sorted(set(self.ks)), "lk": []}[self.method]
 
     @property
     def max_chain(self) -> int:
-        return max(self.draft_lengths)
+        return max(self.draft_lengths, default=self.k)
 
 
 # ---------------------------------------------------------------- data generation
@@ -139,8 +142,9 @@ def chain_steps(sources: list[int], offset: int) -> tuple[list[int], list[int]]:
 # ---------------------------------------------------------------- scoring
 
 @torch.no_grad()
-def target_pass(model, ids: list[int], layers, block_size: int = 16):
-    """One causal target forward -> (features [T, 3h], logprob of ids[t+1] at t [T-1], ids[t+1] == argmax [T-1])."""
+def target_pass(model, ids: list[int], layers, block_size: int = 16, topk: int = 10):
+    """One causal target forward -> (features [T, 3h], logprob of ids[t+1] at t [T-1], ids[t+1] == argmax [T-1],
+    top-K ids [T, K], top-K probs [T, K])."""
     cfg = model.cfg
     T = len(ids)
     nb = -(-T // block_size)
@@ -150,10 +154,11 @@ def target_pass(model, ids: list[int], layers, block_size: int = 16):
     meta = build_attention_metadata([T], [T], [list(range(nb))], block_size, w.device)
     x = torch.tensor(ids, device=w.device)
     hidden, captured = model(x, torch.arange(T, device=w.device), caches, meta, tuple(layers))
-    logp = model.compute_logits(hidden[:-1]).float().log_softmax(-1)
-    nxt = x[1:]
+    logp = model.compute_logits(hidden).float().log_softmax(-1)
+    top_p, top_i = logp.topk(topk, dim=-1)
+    logp, nxt = logp[:-1], x[1:]
     return (torch.cat(captured, dim=-1).cpu(), logp.gather(-1, nxt[:, None])[:, 0].cpu(),
-            (logp.argmax(-1) == nxt).cpu())
+            (logp.argmax(-1) == nxt).cpu(), top_i.int().cpu(), top_p.exp().half().cpu())
 
 
 class Sequence:
@@ -165,7 +170,8 @@ class Sequence:
         n_out = len(ids) - plen
         self.k = row["k"]
         sources = row["sources"][:n_out] if self.k else chain_pattern(n_out, pattern_k)
-        self.feats, tlogp, agree = target_pass(model, ids, head.cfg.feature_layers)
+        self.feats, tlogp, agree, self.top_i, self.top_p = target_pass(model, ids, head.cfg.feature_layers)
+        self.prompt_len = plen
         self.feats = self.feats.to(torch.bfloat16)  # halves the cache; the head computes in float32
         self.ids = torch.tensor(ids)
         idx, steps = chain_steps(sources, plen)
@@ -252,9 +258,10 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
             continue
         group = [Sequence(seqs[k], model, head, t2d, cfg.k if cfg.method == "dpo" else cfg.max_chain, cfg.max_len)
                  for k in need]
-        with torch.no_grad():
-            for s in group:
-                s.ref_logp = s.chain_logprobs(ref, embed)
+        if cfg.method != "lk":  # LK has no reference term
+            with torch.no_grad():
+                for s in group:
+                    s.ref_logp = s.chain_logprobs(ref, embed)
         groups.append(group)
     if not groups:
         raise ValueError("rcsd: no prompt has all the sequences this method needs; generate them first")
@@ -282,12 +289,18 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
                    f"{epoch + 1}", unit="prompt")
         for i in bar:
             group = groups[order[i]]
-            policy = [s.chain_logprobs(head, embed) for s in group]
+            if cfg.method == "lk":
+                s = group[0]
+                loss, _, acc = ttt_losses(head, embed, s.feats.float(), s.ids, s.top_i, s.top_p, t2d, s.prompt_len,
+                                          cfg.k, 0.8, objective="lk")
+                acc_reward.append(acc[0])
+                acc_extra.append(sum(acc) / len(acc))
+            policy = [] if cfg.method == "lk" else [s.chain_logprobs(head, embed) for s in group]
             if cfg.method == "dpo":
                 loss, margin = dpo_loss(policy[0], group[0].ref_logp, policy[1], group[1].ref_logp, cfg.beta)
                 acc_reward.append(float(margin))
                 acc_extra.append(float(margin > 0))
-            else:
+            elif cfg.method == "grpo":
                 adv = grpo_advantages(group)
                 loss, kl = grpo_loss(policy, [s.ref_logp for s in group], adv, cfg.epsilon, cfg.beta)
                 # reward: advantage-weighted log-likelihood gain over the reference (what the objective raises)
@@ -303,7 +316,7 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 step += 1
-                extra = "margin_positive" if cfg.method == "dpo" else "kl"
+                extra = {"dpo": "margin_positive", "grpo": "kl", "lk": "top1_all_steps"}[cfg.method]
                 history.append({"step": step, "loss": sum(acc_loss) / len(acc_loss),
                                 "reward": sum(acc_reward) / len(acc_reward), extra: sum(acc_extra) / len(acc_extra),
                                 "lr": lr_at(step - 1)})
@@ -334,8 +347,9 @@ def plot_curves(history: list[dict], method: str, path: str):
     a.plot(steps, [h["loss"] for h in history], lw=1)
     a.set(xlabel="optimizer step", ylabel=f"{method} loss", title="loss")
     b.plot(steps, [h["reward"] for h in history], lw=1)
-    b.set(xlabel="optimizer step", title="reward", ylabel="DPO implicit reward margin" if method == "dpo" else
-          "advantage-weighted log-likelihood gain vs reference")
+    b.set(xlabel="optimizer step", title="reward", ylabel={
+        "dpo": "DPO implicit reward margin", "grpo": "advantage-weighted log-likelihood gain vs reference",
+        "lk": "top-1 agreement at chain step 0"}[method])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
