@@ -1,5 +1,6 @@
 """HASS-style draft training on a tiny random target: the loss falls, TTT masks match inference, and the
 trained head is accepted more often than an untrained one through the engine's real speculative path."""
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -81,18 +82,61 @@ def test_training_raises_acceptance(tmp_path):
                            if p.is_floating_point())  # a few small steps away from the init, not a fresh head
 
 
-def _random_head(vocab=48, seed=0):
+def _random_head(vocab=48, seed=0, num_layers=1):
     from lanner.spec.draft_head import DraftHeadConfig
 
     torch.manual_seed(seed)
     head = DraftHead(DraftHeadConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
-                                     target_vocab_size=V, draft_vocab_size=vocab, feature_layers=[1, 2, 3]))
+                                     target_vocab_size=V, draft_vocab_size=vocab, feature_layers=[1, 2, 3],
+                                     num_layers=num_layers))
     with torch.no_grad():
         for p in head.parameters():
             if p.dim() == 2:
                 p.normal_(std=0.2)  # large enough that a wrong mask, position or shift changes the logits
         head.d2t.copy_(torch.randperm(V)[:vocab])
     return head
+
+
+def test_two_layer_head_ttt_matches_its_causal_forward_and_is_refused_for_serving(tmp_path):
+    """A deeper head (train-curve's depth option): TTT step 0 equals a plain causal forward through both layers,
+    step 1 at p equals that forward fed the step-0 output at p - 1 on top of the target context (the chain);
+    serving refuses it with the reason."""
+    import torch.nn.functional as F
+
+    from lanner.train.hass import ttt_forward
+
+    head = _random_head(num_layers=2).eval()
+    embed = torch.nn.Embedding(V, 64)
+    g = torch.Generator().manual_seed(3)
+    T = 9
+    feats, ids = torch.randn(T, 192, generator=g), torch.randint(0, V, (T,), generator=g)
+    steps = list(ttt_forward(head, embed, feats, ids, 2))
+    pos = torch.arange(T - 1)
+
+    def attend(q, k, v):
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], is_causal=True, scale=head.scale, enable_gqa=True)
+        return o[0].transpose(0, 1).reshape(len(q), -1)
+
+    with torch.no_grad():
+        hidden, tok = head.fuse(feats[:-1]), embed(ids[1:])
+        x = head.first_layer_out(hidden, attend(*head.qkv(hidden, tok, pos)))
+        layer = head.layers[0]
+        out = layer.post(x, attend(*layer.qkv(x, *head.rotary.lookup(pos, x.dtype))))
+        assert torch.allclose(steps[0], head.logits(out), atol=1e-5)
+        # step 1 at p = 4: the target context 0..3, then the head's step-0 output at 3 with token ids[5]
+        p = 4
+        h1 = torch.cat([hidden[:p], out[p - 1 : p]])
+        t1 = torch.cat([tok[:p], tok[p : p + 1]])
+        x = head.first_layer_out(h1, attend(*head.qkv(h1, t1, pos[: p + 1])))
+        y = layer.post(x, attend(*layer.qkv(x, *head.rotary.lookup(pos[: p + 1], x.dtype))))
+        assert torch.allclose(steps[1][p], head.logits(y)[-1], atol=1e-5)
+    head.save(str(tmp_path / "deep"))
+    assert DraftHead.load(str(tmp_path / "deep")).cfg.num_layers == 2
+    tiny_target(tmp_path / "target")
+    with pytest.raises(ValueError, match="2 decoder layers; serving runs one-layer heads"):
+        LLM(model=str(tmp_path / "target"), dtype="float32", skip_tokenizer=True, kv_cache_memory="0.05GiB",
+            spec="draft", draft=str(tmp_path / "deep"))
 
 
 def test_packed_batch_equals_sequences_one_at_a_time():
@@ -182,15 +226,20 @@ def test_train_curve_config_learns_and_reports_cost(tmp_path):
                      cached_features(target, training_rows(seqs[30:], 64), str(tmp_path / "h"), layers, 1)]}
     args = Namespace(seed=0, tokens=12_000, points=3, pack_tokens=192, eval_steps=3)
     cfg = TrainConfig(ttt_steps=3, lr=3e-3, warmup_steps=3, grad_accum=1, bf16=False)
-    assert parse_configs("64x128,32x256") == [(64, 128), (32, 256)]
-    r = train_config(target, seqs[:30], cache, held, 64, 128, args, cfg)
+    assert parse_configs("64x128,32x256x2") == [(64, 128, 1), (32, 256, 2)]
+    r = train_config(target, seqs[:30], cache, held, 64, 128, 1, args, cfg)
     assert [c["point"] for c in r["curve"]] == [0, 3000, 6000, 12_000]
     assert all(c["tokens"] >= c["point"] for c in r["curve"]) and r["tokens"] >= 12_000
     acc0 = [c["held"]["agreement"][0] for c in r["curve"]]
     assert acc0[-1] > acc0[0] + 0.2, acc0
     assert r["tokens_per_s"] > 0 and r["head_ms_per_token"] > 0 and r["train_s"] > 0
-    wide = train_config(target, seqs[:30], cache, held, 64, 256, Namespace(**{**vars(args), "tokens": 200}), cfg)
+    short = Namespace(**{**vars(args), "tokens": 200})
+    wide = train_config(target, seqs[:30], cache, held, 64, 256, 1, short, cfg)
     assert wide["params"] - r["params"] == 3 * 64 * 128  # gate, up and down projections one width wider
+    deep = train_config(target, seqs[:30], cache, held, 64, 128, 2, short, cfg)
+    # one more layer: norms, qkv (4 heads of 16, 2 KV heads), o_proj, the MLP
+    assert deep["params"] - r["params"] == 2 * 64 + 64 * 128 + 64 * 64 + 3 * 64 * 128
+    assert deep["layers"] == 2 and deep["head_ms_per_token"] > 0
 
 
 def test_train_base_streams_resumes_and_learns(tmp_path):

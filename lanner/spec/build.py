@@ -59,6 +59,9 @@ def load_draft(config, source: ModelSource, target, model_config) -> LoadedDraft
                 raise ValueError(f"draft: the head at {path} was built for another target (vocab "
                                  f"{hc.target_vocab_size}, hidden {hc.hidden_size}); this model has vocab "
                                  f"{tcfg.vocab_size}, hidden {tcfg.hidden_size}")
+            if hc.num_layers != 1:
+                raise ValueError(f"draft: the head at {path} has {hc.num_layers} decoder layers; serving runs "
+                                 "one-layer heads (deeper ones are a train-curve option)")
             return LoadedDraft(kind, head)
         draft, cfg = load_model(ModelSource.resolve(path), config.torch_dtype, config.device)
     if cfg.vocab_size != model_config.vocab_size:

@@ -6,6 +6,9 @@ cache, MLP); a final norm and an output head over a reduced draft vocabulary (th
 tokens; `d2t` maps draft ids to target ids). The row at p predicts token p+2. Chaining feeds the head's own
 output hidden state back in place of the target features, exactly as training-time test does.
 
+`num_layers` > 1 adds plain pre-norm decoder layers after the first (each with its own attention and MLP): an
+option that `lanner train-curve` compares against one layer on the learning curve. Serving runs one-layer heads.
+
 Checkpoint: a folder with config.json (`"architectures": ["LannerDraftHead"]`) and model.safetensors. The
 token embedding is the target's (frozen, not stored).
 """
@@ -40,6 +43,7 @@ class DraftHeadConfig:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
     rope_scaling: dict | None = None  # the target's (llama3 / yarn / ...): the head's positions are the target's
+    num_layers: int = 1  # decoder layers; serving (the proposer, lowlat's fused draft step) runs one
 
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int | None = None) -> DraftHeadConfig:
@@ -59,6 +63,32 @@ class DraftHeadConfig:
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
 
 
+def _split_rope(qkv: torch.Tensor, H: int, Hkv: int, cos, sin):
+    qk = apply_rotary(qkv[:, : H + Hkv], cos, sin)
+    return qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]
+
+
+class HeadLayer(nn.Module):
+    """A decoder layer after the first (num_layers > 1): pre-norm attention and MLP on the running hidden."""
+
+    def __init__(self, cfg: DraftHeadConfig):
+        super().__init__()
+        h, self.H, self.Hkv, self.D = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, (self.H + 2 * self.Hkv) * self.D, bias=False)
+        self.o_proj = nn.Linear(self.H * self.D, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.as_model_config())
+
+    def qkv(self, x, cos, sin):
+        qkv = self.qkv_proj(self.input_layernorm(x)).view(x.shape[0], self.H + 2 * self.Hkv, self.D)
+        return _split_rope(qkv, self.H, self.Hkv, cos, sin)
+
+    def post(self, x, attn):
+        out = x + self.o_proj(attn)
+        return out + self.mlp(self.post_attention_layernorm(out))
+
+
 class DraftHead(nn.Module):
     def __init__(self, cfg: DraftHeadConfig):
         super().__init__()
@@ -74,6 +104,7 @@ class DraftHead(nn.Module):
         self.mlp = MLP(cfg.as_model_config())
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.layers = nn.ModuleList(HeadLayer(cfg) for _ in range(cfg.num_layers - 1))  # empty: one layer
         self.register_buffer("d2t", torch.arange(cfg.draft_vocab_size), persistent=True)
         self.scale = D ** -0.5
         self.init_rotary("cpu")
@@ -95,15 +126,21 @@ class DraftHead(nn.Module):
         T = hidden.shape[0]
         x = torch.cat([self.input_layernorm(token_emb), self.hidden_norm(hidden)], dim=-1)
         qkv = self.qkv_proj(x).view(T, self.H + 2 * self.Hkv, self.D)
-        cos, sin = self.rotary.lookup(positions, hidden.dtype)
-        qk = apply_rotary(qkv[:, : self.H + self.Hkv], cos, sin)
-        return qk[:, : self.H], qk[:, self.H :], qkv[:, self.H + self.Hkv :]
+        return _split_rope(qkv, self.H, self.Hkv, *self.rotary.lookup(positions, hidden.dtype))
+
+    def first_layer_out(self, hidden, attn):
+        """attn: [T, H * D] -> the first decoder layer's output hidden [T, h]."""
+        out = hidden + self.o_proj(attn)
+        return out + self.mlp(self.post_attention_layernorm(out))
+
+    def logits(self, out):
+        """The last layer's output hidden -> draft-vocabulary logits."""
+        return self.lm_head(self.norm(out))
 
     def post(self, hidden, attn):
-        """attn: [T, H * D] -> (draft-vocabulary logits [T, N], output hidden [T, h])."""
-        out = hidden + self.o_proj(attn)
-        out = out + self.mlp(self.post_attention_layernorm(out))
-        return self.lm_head(self.norm(out)), out
+        """attn: [T, H * D] -> (draft-vocabulary logits [T, N], output hidden [T, h]); one-layer heads."""
+        out = self.first_layer_out(hidden, attn)
+        return self.logits(out), out
 
     def forward(self, hidden, token_emb, positions, k_cache, v_cache, meta: AttentionMetadata):
         """hidden: [T, h] fused target features or the head's own previous output; token_emb: [T, h].

@@ -2,15 +2,15 @@
 
 On one stored set of target features (ShareGPT prompts with ShareGPT's own replies; the loss is the target's
 top-K distribution at every position either way), several head configurations (draft vocabulary x MLP width)
-are trained for the same budget of tokens each. At geometric points of tokens seen each head is scored on
+(and decoder layers) are trained for the same budget of tokens each. At geometric points of tokens seen each head is scored on
 held-out sequences the target wrote itself (its greedy answers to held-out ShareGPT and MT-Bench prompts):
 top-1 agreement at training-time-test step 0 (the first drafted token) and the offline replay tau of
 lanner.train.eval_head.score_sequences (equal to live tau: docs/draft-heads.md). Cost per configuration: train
 seconds, tokens/s, parameters, and the head's forward time per drafted token.
 
-Decoder layers stay at one: the serving path (DraftHeadProposer, its KV pool and the lowlat plugin's fused
-draft step) is built around a single layer, so depth is not a knob here; width is (DraftHeadConfig's
-intermediate_size, which serving already reads).
+Depth is compared here before it is served: the serving path (DraftHeadProposer, its KV pool and the lowlat
+plugin's fused draft step) runs one-layer heads, so a deeper head trains and scores offline only. Width
+(DraftHeadConfig's intermediate_size) serves as it is.
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def add_arguments(p):
     p.add_argument("--num-sequences", type=int, default=1500, help="ShareGPT training prompts (with their replies)")
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--configs", default="4096x1536,8192x1536,16384x1536,8192x3072",
-                   help="head configurations, VOCAB x MLP_WIDTH, comma-separated")
+                   help="head configurations, VOCABxMLP_WIDTH[xLAYERS] (one decoder layer unless given), "
+                        "comma-separated")
     p.add_argument("--tokens", type=int, default=200_000, help="training tokens (all positions) per configuration")
     p.add_argument("--points", type=int, default=5, help="evaluation points: tokens/2^(points-1) .. tokens")
     p.add_argument("--pack-tokens", type=int, default=2048, help="tokens per packed forward (0: one sequence)")
@@ -67,15 +68,23 @@ def add_training_arguments(p):
     p.add_argument("--max-new-tokens", type=int, default=96, help="length of the target's held-out answers")
 
 
-def parse_configs(text: str) -> list[tuple[int, int]]:
+def parse_configs(text: str) -> list[tuple[int, int, int]]:
+    """"4096x1536,4096x1536x2" -> [(vocab, MLP width, decoder layers)]."""
     out = []
     for part in filter(None, (t.strip() for t in text.split(","))):
         try:
-            v, w = part.lower().split("x")
-            out.append((int(v), int(w)))
+            v, w, *layers = (int(x) for x in part.lower().split("x"))
+            if len(layers) > 1 or min([v, w] + layers) < 1:
+                raise ValueError
+            out.append((v, w, layers[0] if layers else 1))
         except ValueError:
-            raise ValueError(f"--configs: {part!r} is not VOCABxWIDTH (e.g. 8192x1536)") from None
+            raise ValueError(f"--configs: {part!r} is not VOCABxWIDTH[xLAYERS] (e.g. 8192x1536 or 4096x1536x2)") \
+                from None
     return out
+
+
+def config_label(vocab: int, width: int, layers: int) -> str:
+    return f"{vocab}x{width}" + (f"x{layers}" if layers > 1 else "")
 
 
 def heldout_answers(llm, spec: str, max_new_tokens: int, data_dir: str) -> dict[str, list[tuple[list[int], int]]]:
@@ -105,8 +114,8 @@ def heldout_answers(llm, spec: str, max_new_tokens: int, data_dir: str) -> dict[
 
 def head_ms_per_token(head, context: int = 256, reps: int = 100) -> float:
     """One drafted token as serving drafts it: one row through the head (fuse skipped: a chain step feeds its
-    own hidden) attending to `context` cached keys, the draft-vocabulary logits included. float32, this thread
-    count."""
+    own hidden) attending to `context` cached keys in each layer, the draft-vocabulary logits included. float32,
+    this thread count."""
     import torch.nn.functional as F
 
     h = head.cfg.hidden_size
@@ -116,10 +125,15 @@ def head_ms_per_token(head, context: int = 256, reps: int = 100) -> float:
         vc = torch.randn(1, head.Hkv, context, head.D)
         x, e, pos = torch.randn(1, h), torch.randn(1, h), torch.tensor([context])
 
-        def one():
-            q, k, v = head.qkv(x, e, pos)
+        def attend(q):
             a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc, vc, scale=head.scale, enable_gqa=True)
-            return head.post(x, a[0].transpose(0, 1).reshape(1, -1))
+            return a[0].transpose(0, 1).reshape(1, -1)
+
+        def one():
+            out = head.first_layer_out(x, attend(head.qkv(x, e, pos)[0]))
+            for layer in head.layers:
+                out = layer.post(out, attend(layer.qkv(out, *head.rotary.lookup(pos, out.dtype))[0]))
+            return head.logits(out)
 
         for _ in range(10):
             one()
@@ -173,13 +187,13 @@ def measure_packing(target, sequences, cache, cfg, n: int, pack_tokens: int) -> 
     return out
 
 
-def train_config(target, sequences, cache, heldout, vocab: int, width: int, args, cfg) -> dict:
+def train_config(target, sequences, cache, heldout, vocab: int, width: int, layers: int, args, cfg) -> dict:
     """One configuration: train for args.tokens, scoring the held-out sets at the curve's points."""
     from lanner.train.eval_head import score_sequences
     from lanner.train.hass import lr_schedule, new_head, pack_batches, target_to_draft
 
     torch.manual_seed(args.seed)
-    head = new_head(target, sequences, vocab, width).train()
+    head = new_head(target, sequences, vocab, width, layers).train()
     t2d = target_to_draft(head, target.cfg.vocab_size)
     embed = torch.nn.Embedding.from_pretrained(target.embed_tokens.weight.float(), freeze=True)
     params = [p for p in head.parameters() if p.requires_grad]
@@ -200,7 +214,7 @@ def train_config(target, sequences, cache, heldout, vocab: int, width: int, args
 
     curve = [evaluate(0, 0, 0.0)]
     tokens, loss_tokens, train_s, step, epoch = 0, 0, 0.0, 0, 0
-    bar = tqdm(total=args.tokens, desc=f"vocab {vocab} width {width}", unit="tok", unit_scale=True)
+    bar = tqdm(total=args.tokens, desc=f"vocab {vocab} width {width} layers {layers}", unit="tok", unit_scale=True)
     while tokens < args.tokens:
         order = torch.randperm(len(cache), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
         for b in pack_batches(lengths, order, args.pack_tokens):
@@ -222,7 +236,7 @@ def train_config(target, sequences, cache, heldout, vocab: int, width: int, args
         epoch += 1
     bar.close()
     head.eval()
-    return {"vocab": vocab, "width": width, "params": sum(p.numel() for p in params), "train_s": train_s,
+    return {"vocab": vocab, "width": width, "layers": layers, "params": sum(p.numel() for p in params), "train_s": train_s,
             "tokens": tokens, "loss_tokens": loss_tokens, "optimizer_steps": step, "epochs_seen": tokens / sum(lengths),
             "tokens_per_s": tokens / train_s, "head_ms_per_token": head_ms_per_token(head), "curve": curve}
 
@@ -303,8 +317,8 @@ def run(args, engine_options: dict) -> dict:
                                                 if isinstance(v, dict)) + f" (packs of {args.pack_tokens} tokens)",
               file=sys.stderr)
     results = []
-    for vocab, width in configs:
-        results.append(train_config(target, sequences, cache, held, vocab, width, args, cfg))
+    for vocab, width, layers in configs:
+        results.append(train_config(target, sequences, cache, held, vocab, width, layers, args, cfg))
     result = {"eval": "train_curve", "model": eng.source.name, "args": {k: v for k, v in vars(args).items()
                                                                         if isinstance(v, (int, float, str, bool))},
               "threads": torch.get_num_threads(), "train_sequences": len(cache),
@@ -327,16 +341,18 @@ def run(args, engine_options: dict) -> dict:
     series = {}
     for r in results:
         for name in names:
-            series[f"{r['vocab']}x{r['width']} {name}"] = [c[name]["agreement"][0] for c in r["curve"][1:]]
+            label = config_label(r["vocab"], r["width"], r.get("layers", 1))
+            series[f"{label} {name}"] = [c[name]["agreement"][0] for c in r["curve"][1:]]
     report.line_chart(png_path, x, series, "Draft head learning curve (held-out, first token)",
                       "training tokens seen", "top-1 agreement, TTT step 0")
-    headers = ["vocab x width", "params (M)", "tokens/s", "train s", "head ms/token", "tokens seen"]
+    headers = ["vocab x width [x layers]", "params (M)", "tokens/s", "train s", "head ms/token", "tokens seen"]
     for name in names:
         headers += [f"{name} acc0", f"{name} tau"]
     table = []
     for r in results:
         for c in r["curve"]:
-            row = [f"{r['vocab']}x{r['width']}", f"{r['params'] / 1e6:.1f}", f"{r['tokens_per_s']:.0f}",
+            row = [config_label(r["vocab"], r["width"], r.get("layers", 1)), f"{r['params'] / 1e6:.1f}",
+                   f"{r['tokens_per_s']:.0f}",
                    f"{r['train_s']:.0f}", f"{r['head_ms_per_token']:.2f}", c["tokens"]]
             for name in names:
                 row += [report.fmt(c[name]["agreement"][0], 3), report.fmt(c[name]["replay_tau"], 2)]

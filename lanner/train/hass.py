@@ -223,29 +223,35 @@ def ttt_forward(head: DraftHead, embed, feats, ids, steps: int, lengths: list[in
     hidden = head.fuse(feats[cur])
     sizes = n_rows.tolist()
     masks = {}
-    keys, values, out = [], [], None
-    for j in range(steps):
-        if j > 0:  # the head's own output at p-1 stands in for the target features at p (zero at each p = 0)
-            hidden = torch.cat([hidden.new_zeros(1, hidden.shape[1]), out[:-1]], dim=0)
-            if len(sizes) > 1:
-                hidden = hidden.index_fill(0, starts, 0.0)
-        q, k, v = head.qkv(hidden, tok_emb, pos)
-        keys.append(k)
-        values.append(v)
+    keys, values = [[] for _ in range(head.cfg.num_layers)], [[] for _ in range(head.cfg.num_layers)]
+    rope = head.rotary.lookup(pos, hidden.dtype) if len(head.layers) else None
+
+    def attend(layer: int, j: int, q, k, v):
+        keys[layer].append(k)
+        values[layer].append(v)
         parts, a = [], 0
         for n in sizes:
             if (n, j) not in masks:
                 masks[n, j] = _ttt_mask(n, j, ids.device)
             # this sequence's keys of every step so far, step-major as the mask's columns
-            ks = torch.cat([kk[a : a + n] for kk in keys]).transpose(0, 1)[None]
-            vs = torch.cat([vv[a : a + n] for vv in values]).transpose(0, 1)[None]
+            ks = torch.cat([kk[a : a + n] for kk in keys[layer]]).transpose(0, 1)[None]
+            vs = torch.cat([vv[a : a + n] for vv in values[layer]]).transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(q[a : a + n].transpose(0, 1)[None], ks, vs,
                                                attn_mask=masks[n, j][None, None], scale=head.scale, enable_gqa=True)
             parts.append(o[0].transpose(0, 1).reshape(n, -1))
             a += n
-        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-        logits, out = head.post(hidden, attn)
-        yield logits
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    out = None
+    for j in range(steps):
+        if j > 0:  # the head's own output at p-1 stands in for the target features at p (zero at each p = 0)
+            hidden = torch.cat([hidden.new_zeros(1, hidden.shape[1]), out[:-1]], dim=0)
+            if len(sizes) > 1:
+                hidden = hidden.index_fill(0, starts, 0.0)
+        out = head.first_layer_out(hidden, attend(0, j, *head.qkv(hidden, tok_emb, pos)))
+        for i, layer in enumerate(head.layers, 1):  # deeper heads: the same mask per layer
+            out = layer.post(out, attend(i, j, *layer.qkv(out, *rope)))
+        yield head.logits(out)
 
 
 def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from, steps: int, decay: float,
@@ -318,7 +324,8 @@ def save_train_state(out_dir: str, head, opt, step: int, history: list, epoch: i
                 "epoch": epoch, "index": index, "config": asdict(cfg)}, os.path.join(out_dir, "train_state.pt"))
 
 
-def new_head(target, sequences: list[dict], draft_vocab_size: int, intermediate_size: int | None = None) -> DraftHead:
+def new_head(target, sequences: list[dict], draft_vocab_size: int, intermediate_size: int | None = None,
+             num_layers: int = 1) -> DraftHead:
     """A fresh float32 head for `target` on its device: draft vocabulary = the most frequent response tokens,
     final norm and output rows copied from the target; intermediate_size: the MLP width (default the target's)."""
     tcfg = target.cfg
@@ -326,6 +333,7 @@ def new_head(target, sequences: list[dict], draft_vocab_size: int, intermediate_
     hcfg = DraftHeadConfig.for_target(tcfg, draft_vocab_size)
     if intermediate_size:
         hcfg.intermediate_size = intermediate_size
+    hcfg.num_layers = num_layers
     d2t = draft_vocabulary(sequences, hcfg.draft_vocab_size, tcfg.vocab_size)
     head = DraftHead(hcfg)
     with torch.no_grad():
