@@ -126,4 +126,8 @@ def test_eval_accept_cli(llm32, tmp_path):
     for row in result["rows"]:
         assert {"draft", "dataset", "steps", "tau", "tok_s", "plain_tok_s", "identical", "prompts"} <= row.keys()
         assert row["identical"] is True and row["tau"] >= 1 and row["prompts"] == 2
-    assert (tmp_path / "ea.png").stat().st_size > 0
+    png = tmp_path / "ea.png"
+    assert png.stat().st_size > 0
+    png.unlink()
+    assert main(["eval-accept", "--json", str(out), "--replot"]) == 0  # the chart again, from the JSON alone
+    assert png.stat().st_size > 0 and json.loads(out.read_text()) == result

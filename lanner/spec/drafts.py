@@ -8,8 +8,9 @@ import json
 import os
 
 DRAFTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafts")
-# default: the HASS head after RCSD GRPO (tau +1% on average over 4 datasets x k=3..6, +3-4% on ShareGPT; README)
-SHIPPED = {"hass": "smollm2-135m-hass", "grpo": "smollm2-135m-rcsd-grpo"}
+# hass: the base head (lanner train-base, 8M tokens); default: it after RCSD GRPO (mean tau +0.6% at k = 3 and 6
+# over 4 datasets: docs/draft-heads.md)
+SHIPPED = {"hass": "smollm2-135m-base", "grpo": "smollm2-135m-base-grpo"}
 SHIPPED["default"] = SHIPPED["grpo"]
 MTP = "mtp"  # not a folder: the engine builds the draft from the target's own checkpoint
 HEAD_ARCH = "LannerDraftHead"  # config.json "architectures" of a draft head folder (lanner.spec.draft_head)

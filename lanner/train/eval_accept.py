@@ -43,6 +43,7 @@ def add_arguments(p):
     p.add_argument("--json", default=None, help="result file (default: OUT_DIR/eval_accept.json); "
                                                "the PNG chart is written next to it")
     p.add_argument("--out-dir", default="results", help="folder for the result files when --json is not given")
+    p.add_argument("--replot", action="store_true", help="redraw the PNG from the --json file, running nothing")
     for flag, default, type_ in (("--spec", None, str), ("--spec-tokens", 5, int), ("--spec-max-batch", 1, int)):
         p.add_argument(flag, default=default, type=type_, help=argparse.SUPPRESS)
     # float32: only then are spec and plain greedy outputs expected to match exactly
@@ -169,10 +170,48 @@ def format_table(rows: list[dict]) -> str:
     return table + "\n\n(tau = emitted tokens per verify step; tok/s = decode tok/s, prefill excluded)"
 
 
+def chart(result: dict, png_path: str):
+    """One draft: tau against k per dataset. Several: per k, tau per dataset as bars, one per draft."""
+    rows, drafts, steps, datasets = result["rows"], list(result["drafts"]), result["steps"], result["datasets"]
+    tau = {(r["draft"], r["dataset"], r["steps"]): r["tau"] or 0.0 for r in rows}
+    title = f"Acceptance length, {result['model']}"
+    if len(drafts) == 1:
+        series = {name: [tau[drafts[0], name, k] for k in steps] for name in datasets}
+        report.line_chart(png_path, steps, series, f"{title}: {drafts[0]}", "draft tokens per step (k)",
+                          "tau (tokens per verify step)")
+        return
+    plt = report.pyplot()
+    fig, axes = plt.subplots(1, len(steps), figsize=(5 * len(steps), 4.5), sharey=True, squeeze=False)
+    width = 0.8 / len(drafts)
+    for ax, k in zip(axes[0], steps):
+        for i, d in enumerate(drafts):
+            xs = [j + (i - (len(drafts) - 1) / 2) * width for j in range(len(datasets))]
+            ax.bar(xs, [tau[d, name, k] for name in datasets], width, label=os.path.basename(d.rstrip("/")) or d)
+        ax.set_xticks(range(len(datasets)), datasets)
+        ax.set_title(f"k = {k}")
+        ax.set_ylim(1.0, None)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].set_ylabel("tau (tokens per verify step)")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
 def run(args, engine_options: dict) -> dict:
+    import json
+
     from lanner.llm import LLM
     from lanner.spec.drafts import resolve_draft
 
+    if args.replot:
+        json_path, png_path = report.output_paths(args.json, args.out_dir, "eval_accept")
+        with open(json_path) as f:
+            result = json.load(f)
+        chart(result, png_path)
+        print(f"wrote {png_path}")
+        return result
     steps = sorted(set(_int_list(args.steps, "steps")))
     if not all(1 <= k <= 8 for k in steps):
         sys.exit(f"lanner: error: --steps: each k must be in 1..8, got {args.steps!r}")
@@ -212,11 +251,7 @@ def run(args, engine_options: dict) -> dict:
     del llm_plain
     gc.collect()
     report.write_json(json_path, result)
-    series = {(f"{d} / {name}" if len(drafts) > 1 else name):
-              [r["tau"] or 0.0 for r in rows if r["dataset"] == name and r["draft"] == d]
-              for d in drafts for name in datasets}
-    report.line_chart(png_path, steps, series, f"Acceptance length: {', '.join(drafts)}, {source.name}",
-                      "draft tokens per step (k)", "tau (tokens per verify step)")
+    chart(result, png_path)
     print(format_table(rows))
     print(f"\nwrote {json_path} and {png_path}")
     return result
