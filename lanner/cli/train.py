@@ -143,8 +143,8 @@ def add_rcsd(sub):
                    "Generates, through Lanner's engine with the --init head as draft, per ShareGPT training prompt "
                    "a target-only sequence and sequences where the draft writes k tokens after each target token "
                    "without verification (cached in --data, resumable); then continues training the head with DPO "
-                   "or GRPO against the frozen --init head as reference (LK: the target-only sequences alone). Writes the head, training.json (cost, "
-                   "history) and curves.png to --out.")
+                   "or GRPO against the frozen --init head as reference (LK: the target-only sequences alone). "
+                   "Writes the head, training.json (cost, history) and curves.png to --out.")
     add_config_args(p)
     p.add_argument("--method", choices=["dpo", "grpo", "lk"], required=True)
     p.add_argument("--init", default="hass", help="the HASS head to start from: 'hass', 'default' or a folder")

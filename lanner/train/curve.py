@@ -1,9 +1,9 @@
 """lanner train-curve: how fast does a draft head learn, per configuration, on this machine?
 
 On one stored set of target features (ShareGPT prompts with ShareGPT's own replies; the loss is the target's
-top-K distribution at every position either way), several head configurations (draft vocabulary x MLP width)
-(and decoder layers) are trained for the same budget of tokens each. At geometric points of tokens seen each head is scored on
-held-out sequences the target wrote itself (its greedy answers to held-out ShareGPT and MT-Bench prompts):
+top-K distribution at every position either way), several head configurations (draft vocabulary x MLP width
+x decoder layers) are trained for the same budget of tokens each. At geometric points of tokens seen each head is
+scored on held-out sequences the target wrote itself (its greedy answers to held-out ShareGPT and MT-Bench prompts):
 top-1 agreement at training-time-test step 0 (the first drafted token) and the offline replay tau of
 lanner.train.eval_head.score_sequences (equal to live tau: docs/draft-heads.md). Cost per configuration: train
 seconds, tokens/s, parameters, and the head's forward time per drafted token.
@@ -124,6 +124,7 @@ def head_ms_per_token(head, context: int = 256, reps: int = 100) -> float:
         kc = torch.randn(1, head.Hkv, context, head.D)
         vc = torch.randn(1, head.Hkv, context, head.D)
         x, e, pos = torch.randn(1, h), torch.randn(1, h), torch.tensor([context])
+        rope = head.rotary.lookup(pos, x.dtype)  # one lookup per drafted token, shared by the layers
 
         def attend(q):
             a = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc, vc, scale=head.scale, enable_gqa=True)
@@ -132,7 +133,7 @@ def head_ms_per_token(head, context: int = 256, reps: int = 100) -> float:
         def one():
             out = head.first_layer_out(x, attend(head.qkv(x, e, pos)[0]))
             for layer in head.layers:
-                out = layer.post(out, attend(layer.qkv(out, *head.rotary.lookup(pos, out.dtype))[0]))
+                out = layer.post(out, attend(layer.qkv(out, *rope)[0]))
             return head.logits(out)
 
         for _ in range(10):

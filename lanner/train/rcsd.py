@@ -35,7 +35,7 @@ from tqdm import tqdm
 from lanner.bench.report import charts_or_warning, pyplot
 from lanner.layers.attention import build_attention_metadata
 from lanner.spec.draft_head import DraftHead
-from lanner.train.hass import load_train_state, save_train_state, ttt_forward, ttt_losses
+from lanner.train.hass import TrainConfig, load_train_state, save_train_state, ttt_forward, ttt_losses
 
 TARGET_ONLY = 0  # "k" of the sequence the target wrote alone
 
@@ -292,15 +292,16 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
             if cfg.method == "lk":
                 s = group[0]
                 loss, _, acc = ttt_losses(head, embed, s.feats.float(), s.ids, s.top_i, s.top_p, t2d, s.prompt_len,
-                                          cfg.k, 0.8, objective="lk")
+                                          cfg.k, TrainConfig.step_decay, objective="lk")
                 acc_reward.append(acc[0])
                 acc_extra.append(sum(acc) / len(acc))
-            policy = [] if cfg.method == "lk" else [s.chain_logprobs(head, embed) for s in group]
-            if cfg.method == "dpo":
+            elif cfg.method == "dpo":
+                policy = [s.chain_logprobs(head, embed) for s in group]
                 loss, margin = dpo_loss(policy[0], group[0].ref_logp, policy[1], group[1].ref_logp, cfg.beta)
                 acc_reward.append(float(margin))
                 acc_extra.append(float(margin > 0))
-            elif cfg.method == "grpo":
+            else:
+                policy = [s.chain_logprobs(head, embed) for s in group]
                 adv = grpo_advantages(group)
                 loss, kl = grpo_loss(policy, [s.ref_logp for s in group], adv, cfg.epsilon, cfg.beta)
                 # reward: advantage-weighted log-likelihood gain over the reference (what the objective raises)
