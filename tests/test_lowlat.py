@@ -357,26 +357,48 @@ def test_thread_count_does_not_change_bits(head_dim):
     (6 heads over 3 kv groups, 2 threads: heads 0-2 and 3-5), the GEMVs split their rows; every output bit is the
     same. head_dim 64 takes the kernel compiled for that size, 48 the one reading it at run time."""
     model = tiny_model(num_heads=6, num_kv_heads=3, head_dim=head_dim)
-    c = model.cfg
-    outs = []
-    for threads in (1, 2):
-        plugin = LowLatPlugin(threads=threads)
-        hw = Hardware.detect("cpu", torch.float32)
-        plugin.check(c, hw)
-        plugin.build(model, c, hw)
-        kv = torch.zeros(c.num_layers, 2, 60 * 16, c.num_kv_heads, c.head_dim)
-        caches = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
-        steps = []
-        for ql, cl in ((40, 40), (40, 80), (3, 83)):  # two chunks of prefill, then 3 verify rows
-            meta = build_attention_metadata([ql], [cl], [[7, 2, 9, 4, 11, 30]], 16, "cpu")
-            ids = torch.randint(0, 128, (ql,), generator=torch.Generator().manual_seed(cl))
-            with torch.inference_mode():
-                step = Step(StepKind.PREFILL if ql > 8 else StepKind.VERIFY, ql, 1)
-                hidden, _ = plugin.forward(step, model, ids, torch.arange(cl - ql, cl), caches, meta, ())
-                steps.append(plugin.compute_logits(step, model, hidden))
-        outs.append((steps, kv))
+    # two chunks of prefill, then 3 verify rows
+    outs = [one_sequence(LowLatPlugin(threads=t), model, ((40, 40), (40, 80), (3, 83)), [7, 2, 9, 4, 11, 30], 60)
+            for t in (1, 2)]
     (s1, kv1), (s2, kv2) = outs
     assert all(torch.equal(a, b) for a, b in zip(s1, s2)) and torch.equal(kv1, kv2)
+
+
+def one_sequence(plugin, model, steps, table, blocks, attn_split=True):
+    """plugin built for model runs one sequence's steps ((q_len, ctx_len), random ids) over a zeroed cache of
+    `blocks` 16-token blocks: (the logits of each step, the cache)."""
+    c, dtype = model.cfg, next(model.parameters()).dtype
+    hw = Hardware.detect("cpu", dtype)
+    plugin.check(c, hw)
+    plugin.build(model, c, hw)
+    plugin._kernel.attn_split = attn_split
+    kv = torch.zeros(c.num_layers, 2, blocks * 16, c.num_kv_heads, c.head_dim, dtype=dtype)
+    caches = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
+    logits = []
+    for ql, cl in steps:
+        meta = build_attention_metadata([ql], [cl], [table], 16, "cpu")
+        ids = torch.randint(0, 128, (ql,), generator=torch.Generator().manual_seed(cl))
+        with torch.inference_mode():
+            step = Step(StepKind.PREFILL if ql > 8 else StepKind.VERIFY, ql, 1)
+            hidden, _ = plugin.forward(step, model, ids, torch.arange(cl - ql, cl), caches, meta, ())
+            logits.append(plugin.compute_logits(step, model, hidden))
+    return logits, kv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_attention_keeps_the_bits(dtype):
+    """Flash-decoding: one sequence over three 512-key parts (one kv group for 4 q heads, so that heads alone give
+    2 threads nothing to split), prefilled in 256-row chunks, then 8 verify rows whose last two cross into a new
+    part, then a decode row. Its parts spread over 2 threads (attn_split) give every logit and KV bit of the same
+    parts folded on one thread (attn_split off; 1 thread). bf16 runs the AMX kernel where the CPU has it. (The
+    fold against PyTorch's attention: tests/test_kv_q8.py, ctx 600.)"""
+    model = tiny_model(num_heads=4, num_kv_heads=1, head_dim=32, max_position_embeddings=2048).to(dtype)
+    steps = ((256, 256), (256, 512), (256, 768), (250, 1018), (8, 1026), (1, 1027))
+    table = [(7 * j) % 80 for j in range(80)]  # scattered blocks
+    outs = [one_sequence(LowLatPlugin(threads=t, prefill_rows=256), model, steps, table, 80, attn_split=split)
+            for t, split in ((1, True), (2, False), (2, True))]
+    for steps, kv in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0][0], steps)) and torch.equal(outs[0][1], kv)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -80,6 +80,10 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
         on there): 1.1-2.5x the FMA kernel's speed for a decode row (least at long contexts, where one core's
         reads bound it), 2-3.9x for 4-16 verify rows (tools/lowlat_attention.py);
         batch-invariant too, but its bits are not the FMA kernel's;
+    attn_split: flash-decoding (default on): where a sequence's keys span several 512-key parts, its attention
+        runs as (heads, part) units over all threads, then each row folds its parts in order. The bits are those
+        of the parts folded on one thread (off), so it changes speed only: with fewer kv groups than threads
+        (Qwen2.5: 2) threads no longer idle or re-read a group's keys;
     amx_gemv_rows: GGUF-block GEMVs with q8 activations of at least this many rows run on AMX-INT8 tiles, on CPUs
         with them (0: never), with the VNNI kernel's bits; default 8 (Qwen2.5-Coder-1.5B, 2 threads: 8 / 16 rows
         1.14x / 1.37x faster, 2 / 4 rows slower; tools/qgemv_rows.py --amx-rows 0,2,8);
@@ -103,7 +107,7 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
     OPTIONS: ClassVar[dict] = {"threads": (int, type(None)), "max_rows": int, "prefill_rows": int, "max_batch": int,
                                "isa": str, "allreduce": str, "timeout_s": (int, float), "act": str,
                                "invariant": bool, "head_weights": str, "gemm_prefill_from": int,
-                               "amx_attention": bool, "amx_gemv_rows": int}
+                               "amx_attention": bool, "amx_gemv_rows": int, "attn_split": bool}
 
     def __init__(self, **options):
         check_options("lowlat", options, self.OPTIONS)
@@ -117,6 +121,7 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
         self.act = options.get("act", "auto")
         self.invariant = options.get("invariant")
         self.amx_attention = options.get("amx_attention", True)
+        self.attn_split = options.get("attn_split", True)
         self.amx_gemv_rows = options.get("amx_gemv_rows", self.AMX_GEMV_ROWS)
         if self.amx_gemv_rows < 0:
             raise ValueError("plugin lowlat: amx_gemv_rows must be >= 0")
@@ -412,6 +417,7 @@ class LowLatPlugin(DraftHeadKernels, Plugin):
         # attention through vdpbf16ps: the FMA path's bits with fewer instructions
         kernel.attn_dot = self.isa == "auto" and self.extension().have_avx512_bf16
         kernel.attn_amx = self.amx_attention and self.isa == "auto" and self.extension().have_amx_bf16
+        kernel.attn_split = self.attn_split
         # (a process-wide setting of the extension, like its prefetch distances)
         self.extension().set_amx_gemv_rows(self.amx_gemv_rows if self.isa == "auto" and self.extension().have_amx_int8
                                            else 0)

@@ -1,5 +1,6 @@
-// lowlat's attention over the paged KV cache: one item (a sequence's run of q heads over its keys) at a time,
-// with PyTorch's CPU flash attention arithmetic; Model::attention runs it on its own for tests.
+// lowlat's attention over the paged KV cache: one item (a sequence's run of q heads over its keys, or over one
+// 512-key part of them: KeyPart) at a time, with PyTorch's CPU flash attention arithmetic within a part;
+// attend_parts folds an item's parts on one thread; Model::attention runs it on its own for tests.
 #pragma once
 #include "attention_amx.h"
 #include "model.h"
@@ -7,7 +8,7 @@
 namespace lowlat {
 
 // one attention item: the q heads h0 .. h0 + nh - 1 of one kv group (GQA), rows t0..t0+nq-1 of q at positions
-// pos[t] over keys 0..ctx-1. Each key and value vector is loaded once for all the item's (row, head) pairs.
+// pos[t] over keys 0..ctx-1 (those in part.k0 .. part.k1 - 1; with part.st, the rows' states are written there). Each key and value vector is loaded once for all the item's (row, head) pairs.
 // The arithmetic follows PyTorch's CPU flash attention (what the engine's SDPA runs), so that bf16 results
 // agree bit for bit in nearly all elements: keys in blocks of 512 with an online softmax (running max,
 // rescaled sum and output); fexp_u20 (bf16) / exp_u20 (float32) on the 16-wide part of a block and std::exp
@@ -26,14 +27,14 @@ template <typename WT, typename XT>
 inline void Model::attend(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
                           const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0,
                           int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc,
-                          int64_t win, bool q8) const {
+                          int64_t win, bool q8, const KeyPart& part) const {
 #ifdef LOWLAT_AMX
   if constexpr (std::is_same<WT, bf16_t>::value)
     if (attn_amx && !q8 && D % 32 == 0)
-      return attend_amx<XT>(q, pos, t0, nq, ctx, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win);
+      return attend_amx<XT>(q, pos, t0, nq, ctx, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win, part);
 #endif
 #define LOWLAT_ATTEND(NV, Q8) attend_nv<WT, XT, NV, Q8>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, \
-                                                        O, anc, win)
+                                                        O, anc, win, part)
   switch (D / 16) {  // the head size as a constant: the key, value and accumulator vectors stay in registers
     case 4: return q8 ? LOWLAT_ATTEND(4, true) : LOWLAT_ATTEND(4, false);
     case 8: return q8 ? LOWLAT_ATTEND(8, true) : LOWLAT_ATTEND(8, false);
@@ -41,6 +42,43 @@ inline void Model::attend(const float* q, const int64_t* pos, int64_t t0, int64_
     default: return q8 ? LOWLAT_ATTEND(0, true) : LOWLAT_ATTEND(0, false);
   }
 #undef LOWLAT_ATTEND
+}
+
+// the parts of an item's keys it reads: first_part .. end_part - 1 (parts of kAttnPart keys at fixed positions)
+inline int64_t first_part(int64_t first_pos, int64_t win) {
+  return win > 0 ? std::max<int64_t>(0, first_pos - win + 1) / kAttnPart : 0;
+}
+inline int64_t end_part(int64_t ctx) { return (ctx + kAttnPart - 1) / kAttnPart; }
+
+// a folded row's output: O / sum, rounded as attend rounds it
+template <typename WT, typename XT>
+inline void store_row(const float* acc, XT* out, int64_t D) {
+  const float inv = 1.0f / acc[1];
+  for (int64_t d = 0; d < D; d++) stf<XT>(out, d, rnd<WT>(acc[2 + d] * inv));
+}
+
+// one item, its parts one after the other on this thread, folded in order: the bits of the same item with its
+// parts spread over threads (Model::run), since the part states and the fold are the same
+template <typename WT, typename XT>
+inline void Model::attend_parts(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx,
+                                int64_t kv_len, const std::vector<int64_t>& bt, int64_t bs, const WT* kc,
+                                const WT* vc, int64_t h0, int64_t nh, XT* ain, std::vector<float>& S,
+                                std::vector<float>& O, const int64_t* anc, int64_t win, bool q8) const {
+  const int64_t pa = first_part(pos[t0], win), pb = end_part(ctx);
+  if (pb - pa <= 1)  // one part: its fold is the state itself, normalized as attend does
+    return attend<WT, XT>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win, q8, KeyPart{});
+  const int64_t R = nq * nh, W = D + 2;
+  thread_local std::vector<float> acc, st;
+  acc.assign(R * W, 0.f);
+  st.resize(R * W);
+  for (int64_t r = 0; r < R; r++) acc[r * W] = -INFINITY;
+  for (int64_t p = pa; p < pb; p++) {
+    attend<WT, XT>(q, pos, t0, nq, ctx, kv_len, bt, bs, kc, vc, h0, nh, ain, S, O, anc, win, q8,
+                   KeyPart{p * kAttnPart, (p + 1) * kAttnPart, st.data()});
+    for (int64_t r = 0; r < R; r++) fold_part(acc.data() + r * W, st.data() + r * W, D);
+  }
+  for (int64_t r = 0; r < R; r++)
+    store_row<WT, XT>(acc.data() + r * W, ain + (t0 + r / nh) * H * D + (h0 + r % nh) * D, D);
 }
 
 // one (token, kv head) row of D values as Q8_0 blocks at dst (the layout and rounding of lanner/kvcache/q8.py)
@@ -60,7 +98,8 @@ template <typename WT, typename XT, int NV, bool Q8>  // NV: D / 16, or 0 for an
 inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx,
                              int64_t kv_len, const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc,
                              int64_t h0, int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O,
-                             const int64_t* anc, int64_t win) const {
+                             const int64_t* anc, int64_t win,
+                             const KeyPart& part) const {
   constexpr int64_t kBlock = 512, kTile = 16, ldS = kBlock + kTile;  // (a tile's 16 scores may pass a block's end)
   constexpr bool kBf = std::is_same<WT, bf16_t>::value;
   constexpr int kReg = NV > 0 ? NV : 1;
@@ -109,7 +148,7 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
   float* mx = O.data() + R * D;  // running max and sum per item row
   float* sum = mx + R;
   const __m512 scv = _mm512_set1_ps(float(scale));
-  const ItemKeys ks(pos, t0, nq, ctx, bt, bs, anc, win);
+  const ItemKeys ks(pos, t0, nq, ctx, bt, bs, anc, win, part);
   const int64_t *lim = ks.lim, *lo = ks.lo, maxlim = ks.maxlim, minlo = ks.minlo, c0 = ks.c0;
   auto slot = [&](int64_t i, int64_t j) { return ks.slot(i, j); };
   std::fill(mx, mx + R, -INFINITY);
@@ -351,6 +390,10 @@ inline void Model::attend_nv(const float* q, const int64_t* pos, int64_t t0, int
   }
   for (int64_t r = 0; r < R; r++) {
     const int64_t i = r / nh, h = h0 + r % nh;
+    if (part.st != nullptr) {
+      store_part_state(part.st + r * (D + 2), mx[r], sum[r], O.data() + r * D, D);
+      continue;
+    }
     const float inv = 1.0f / sum[r];
     for (int64_t d = 0; d < D; d++) stf<XT>(ain, (t0 + i) * ldq + h * D + d, rnd<WT>(O[r * D + d] * inv));
   }
@@ -392,10 +435,10 @@ inline torch::Tensor Model::attention(torch::Tensor qt, torch::Tensor kc, torch:
     const int64_t n = items_per_sequence(B, 1);  // the forward's items on one thread
     for (int64_t it = 0; it < B * n; it++) {
       const int64_t b = it / n, k = it % n;
-      attend<WT, float>(qf.data_ptr<float>(), pos.data_ptr<int64_t>(), row0[b], q_lens[b], ctx_lens[b], kv_len,
-                        bts[b], bs, reinterpret_cast<const WT*>(kc.data_ptr()),
-                        reinterpret_cast<const WT*>(vc.data_ptr()), item_head(k, n), item_heads(k, n), outf.data(),
-                        S, O, nullptr, 0, q8);
+      attend_parts<WT, float>(qf.data_ptr<float>(), pos.data_ptr<int64_t>(), row0[b], q_lens[b], ctx_lens[b],
+                              kv_len, bts[b], bs, reinterpret_cast<const WT*>(kc.data_ptr()),
+                              reinterpret_cast<const WT*>(vc.data_ptr()), item_head(k, n), item_heads(k, n),
+                              outf.data(), S, O, nullptr, 0, q8);
     }
   };
   if (bf16) run_all(bf16_t{});

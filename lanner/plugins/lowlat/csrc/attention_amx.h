@@ -28,8 +28,8 @@ namespace lowlat {
 static int64_t g_attn_prefetch = 2;  // attention: key / value tiles prefetched ahead (0: off; set_attn_prefetch)
 
 // the keys an attention item's step rows read (attend_nv and attend_amx): row i reads keys lo[i] .. lim[i] - 1 (its
-// window and position; a draft tree's rows, their ancestors past the context), and slot(i, j) is where its j-th
-// key sits in the cache
+// window and position; a draft tree's rows, their ancestors past the context; both within the part's keys), and
+// slot(i, j) is where its j-th key sits in the cache
 struct ItemKeys {
   int64_t lim[kMaxRows], lo[kMaxRows], maxlim = 0, minlo, c0;  // c0: position of the step's first row
   int8_t path[64][64];  // tree row i's k-th key past the context is step row path[i][k] (a tree has <= 63 rows)
@@ -38,7 +38,7 @@ struct ItemKeys {
   const int64_t* anc;
   int shift;
   ItemKeys(const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, const std::vector<int64_t>& bt_, int64_t bs_,
-           const int64_t* anc_, int64_t win)
+           const int64_t* anc_, int64_t win, const KeyPart& part)
       : minlo(ctx), c0(ctx - nq), bt(bt_), bs(bs_), anc(anc_) {
     if (anc != nullptr)
       for (int64_t i = 0; i < nq; i++)
@@ -47,6 +47,8 @@ struct ItemKeys {
     for (int64_t i = 0; i < nq; i++) {
       lim[i] = anc != nullptr ? c0 + __builtin_popcountll(uint64_t(anc[i])) : std::min(pos[t0 + i] + 1, ctx);
       lo[i] = win > 0 ? std::max<int64_t>(0, pos[t0 + i] - win + 1) : 0;
+      lim[i] = std::min(lim[i], part.k1);
+      lo[i] = std::max(lo[i], part.k0);
       maxlim = std::max(maxlim, lim[i]);
       minlo = std::min(minlo, lo[i]);
     }
@@ -98,12 +100,12 @@ template <typename XT>
 inline void Model::attend_amx(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx,
                               const std::vector<int64_t>& bt, int64_t bs, const bf16_t* kc, const bf16_t* vc,
                               int64_t h0, int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O,
-                              const int64_t* anc, int64_t win) const {
+                              const int64_t* anc, int64_t win, const KeyPart& part) const {
   // tiles never cross a block: S rows hold a block (and 16 floats more: a power-of-two stride between a tile
   // operand's 16 rows would put them in two L1 sets)
   constexpr int64_t kBlock = 512, kTile = 16, ldS = kBlock + 16;
   const int64_t rep = H / Hkv, DC = D / 32, ldkv = Hkv * D;  // ldkv: elements from one slot's rows to the next
-  const ItemKeys ks(pos, t0, nq, ctx, bt, bs, anc, win);
+  const ItemKeys ks(pos, t0, nq, ctx, bt, bs, anc, win, part);
   const int64_t *lim = ks.lim, *lo = ks.lo, maxlim = ks.maxlim, minlo = ks.minlo, c0 = ks.c0;
   auto slot = [&](int64_t i, int64_t j) { return ks.slot(i, j); };
   // 8 tiles of 16 rows x 64 bytes: 0 / 1 operands, 2 / 3 and 6 / 7 accumulators, 4 / 5 the odd / even P operands
@@ -284,6 +286,10 @@ inline void Model::attend_amx(const float* q, const int64_t* pos, int64_t t0, in
     }
     for (int64_t n = 0; n < Rg; n++) {
       const int64_t i = n / nhg, h = ha + n % nhg;
+      if (part.st != nullptr) {
+        store_part_state(part.st + (i * nh + h - h0) * (D + 2), mx[n], sum[n], o + n * D, D);
+        continue;
+      }
       const float inv = 1.0f / sum[n];
       for (int64_t d = 0; d < D; d++) stf<XT>(ain, (t0 + i) * H * D + h * D + d, rnd<bf16_t>(o[n * D + d] * inv));
     }

@@ -244,6 +244,40 @@ static inline float softmax_block(float* s, int64_t n, int64_t nvec, bool bf16, 
   return corr;
 }
 
+// a key partition of an attention item (see Model::attend_parts): keys k0 .. k1 - 1 only, and with st set, each item
+// row's unnormalized state (max, sum, output [D]) written to st + r * (D + 2) instead of the normalized output
+struct KeyPart {
+  int64_t k0 = 0, k1 = INT64_MAX;
+  float* st = nullptr;
+};
+
+inline void store_part_state(float* st, float m, float sum, const float* o, int64_t D) {
+  st[0] = m;
+  st[1] = sum;
+  std::memcpy(st + 2, o, D * sizeof(float));
+}
+
+// keys per attention partition. A row's keys are split at multiples of this; each part is attended on its own and
+// the parts are folded in ascending order (fold_part). So threads can share one sequence's context
+// (flash-decoding), and a row's bits still depend on its own keys alone, however the parts are scheduled.
+constexpr int64_t kAttnPart = 512;
+
+// acc (max, sum, output [D]) <- acc folded with the next part's state p (each relative to its own max)
+inline void fold_part(float* acc, const float* p, int64_t D) {
+  if (p[0] == -INFINITY) return;  // none of the row's keys lie in this part
+  if (acc[0] == -INFINITY) {
+    std::memcpy(acc, p, (D + 2) * sizeof(float));
+    return;
+  }
+  const float m = std::max(acc[0], p[0]), ea = std::exp(acc[0] - m), ep = std::exp(p[0] - m);
+  acc[1] = std::fma(p[1], ep, acc[1] * ea);
+  const __m512 va = _mm512_set1_ps(ea), vp = _mm512_set1_ps(ep);
+  for (int64_t d = 0; d < D; d += 16)
+    _mm512_storeu_ps(acc + 2 + d, _mm512_fmadd_ps(_mm512_loadu_ps(p + 2 + d), vp,
+                                                  _mm512_mul_ps(_mm512_loadu_ps(acc + 2 + d), va)));
+  acc[0] = m;
+}
+
 // sum of squares in 16 float32 lanes, then across lanes: close to PyTorch's vectorized mean of x^2 in
 // F.rms_norm (bf16 results agree in all but ~1e-6 of elements; a sequential sum disagrees in ~1e-4)
 // lane k = _mm512_reduce_add_ps(a[k]), bit for bit (GCC adds halves, then quarters, then (x0 + x2) + (x1 + x3);

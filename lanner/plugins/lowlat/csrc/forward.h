@@ -1,7 +1,7 @@
 // lowlat's step: Model::run, the whole forward (embedding, every decoder layer, final norm) in one OpenMP
 // parallel region, and Model::forward, which checks a step's inputs and runs it in the model's types.
 #pragma once
-#include "attention.h"
+#include "attention_split.h"
 #include "gemma.h"
 #include "moe.h"
 #include "tp.h"
@@ -30,6 +30,12 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
   const bool tp = comm.P > 1;
   int64_t seq_end = comm.seq;
   std::string err;
+  // attention's work for full and for sliding-window layers (attention_split.h)
+  const AttnPlan plan_full = plan_attention(*this, pos, row0, q_lens, ctx_lens, 0, nthreads);
+  const AttnPlan plan_win = gemma ? plan_attention(*this, pos, row0, q_lens, ctx_lens, window, nthreads) : AttnPlan{};
+  if ((int64_t)part_buf.size() < std::max(plan_full.floats, plan_win.floats))
+    part_buf.resize(std::max(plan_full.floats, plan_win.floats));
+  float* parts = part_buf.data();
 
 #pragma omp parallel num_threads(nthreads)
   {
@@ -137,12 +143,34 @@ inline void Model::run(const int64_t* ids, const int64_t* pos, int64_t T, const 
       mark(3);
 #pragma omp barrier
       mark(2);
-      // --- attention over the paged cache: this thread's items (sequence, run of q heads)
-      for (int64_t it = ia; it < ib; it++) {
-        const int64_t sb = it / items_per_seq, k = it % items_per_seq;
-        attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, gbts[lgroup[l]][sb], bs, kcs[l], vcs[l],
-                       item_head(k, items_per_seq), item_heads(k, items_per_seq), ain, S, O,
-                       tree_[sb].empty() ? nullptr : tree_[sb].data(), local ? window : 0, kv_q8);
+      // --- attention over the paged cache: this thread's items (sequence, run of q heads), or the step's units
+      // (sequence, run of q heads, key part) taken as threads come free, then the fold of their parts
+      const AttnPlan& ap = local ? plan_win : plan_full;
+      const int64_t win = local ? window : 0;
+      if (!ap.split) {
+        for (int64_t it = ia; it < ib; it++) {
+          const int64_t sb = it / items_per_seq, k = it % items_per_seq;
+          attend_parts<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, gbts[lgroup[l]][sb], bs, kcs[l],
+                               vcs[l], item_head(k, items_per_seq), item_heads(k, items_per_seq), ain, S, O,
+                               tree_[sb].empty() ? nullptr : tree_[sb].data(), win, kv_q8);
+        }
+      } else {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t u = 0; u < ap.units; u++) {
+          int64_t sb = 0;
+          while (sb + 1 < B && ap.unit0[sb + 1] <= u) sb++;
+          const int64_t v = u - ap.unit0[sb], k = v / ap.np[sb], part = v % ap.np[sb], p0 = ap.pa[sb] + part;
+          attend<WT, XT>(q, pos, row0[sb], q_lens[sb], ctx_lens[sb], kv_len, gbts[lgroup[l]][sb], bs, kcs[l], vcs[l],
+                         item_head(k, ap.items), item_heads(k, ap.items), ain, S, O,
+                         tree_[sb].empty() ? nullptr : tree_[sb].data(), win, kv_q8,
+                         KeyPart{p0 * kAttnPart, (p0 + 1) * kAttnPart,
+                                 part_states(*this, ap, parts, sb, q_lens[sb], k, part)});
+        }
+        mark(1);
+#pragma omp barrier
+        mark(2);
+        split(T * H, 1, tid, nt, a, b);
+        fold_rows<WT, XT>(*this, ap, parts, row0, q_lens, a, b, ain);
       }
       mark(1);
 #pragma omp barrier

@@ -147,8 +147,8 @@ struct Head {
 #pragma omp barrier
         const int64_t kv_len = *std::max_element(ctx.begin(), ctx.end());
         for (int64_t it = tid; it < B * H; it += nt)
-          m.attend<WT, XT>(q, pos.data(), row0[it / H], 1, ctx[it / H], kv_len, bts[it / H], bs, kc, vc, it % H, 1,
-                           ain, S, O);
+          m.attend_parts<WT, XT>(q, pos.data(), row0[it / H], 1, ctx[it / H], kv_len, bts[it / H], bs, kc, vc,
+                                 it % H, 1, ain, S, O);
 #pragma omp barrier
         split(h, 16, tid, nt, a, b_);
         mm<WT, XT>(q_o, o_w, H * D, a, b_, ain, H * D, M, tmp, h, tid);

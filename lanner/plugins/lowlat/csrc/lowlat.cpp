@@ -21,9 +21,9 @@
 //    layer costs one barrier more than a dense one (the router's), however many experts are hit;
 //  * bf16 models round to bf16 exactly where the PyTorch module rounds (GEMV outputs, norms, RoPE terms, SiLU,
 //    residual adds; for MoE also the router logits, the routing weight, weight * expert output and each
-//    expert's add into the sum, FusedMoE's order) and attention follows PyTorch's CPU flash attention, so the
-//    plugin tracks the engine's own forward bit for bit in nearly all elements; float32 models are float32
-//    throughout.
+//    expert's add into the sum, FusedMoE's order) and attention follows PyTorch's CPU flash attention within
+//    each 512-key part of a row's keys (attention_split.h folds the parts), so the plugin tracks the engine's own
+//    forward bit for bit in nearly all elements up to 512 keys; float32 models are float32 throughout.
 //  * Gemma 3 (set_gemma): (1 + w) norms rounded once, post-norms on the attention and feed-forward outputs (whole
 //    rows of a row-split GEMV: one barrier more each), GeGLU, the scaled embedding, sliding-window local layers
 //    (each row reads the window of its own position) with their own RoPE tables; one rank only.
@@ -75,6 +75,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("invariant", &lowlat::Model::invariant)
       .def_readwrite("attn_dot", &lowlat::Model::attn_dot)
       .def_readwrite("attn_amx", &lowlat::Model::attn_amx)
+      .def_readwrite("attn_split", &lowlat::Model::attn_split)
       .def_readwrite("profile", &lowlat::Model::profile)
       .def_readwrite("prof", &lowlat::Model::prof)
       .def_readwrite("prof_calls", &lowlat::Model::prof_calls)

@@ -101,6 +101,9 @@ struct Model {
   bool attn_dot = false;
   // bf16 models with a bf16 cache: attention on AMX tiles (attention_amx.h; other bits than the FMA path's)
   bool attn_amx = false;
+  // decode attention split over the context where a sequence spans several key parts (attention_split.h; same bits)
+  bool attn_split = true;
+  std::vector<float> part_buf;  // the part states of a split step
   std::vector<std::vector<int64_t>> tree_;  // forward()'s draft-tree rows per sequence (see attend)
   // Gemma 3 (set_gemma): every norm is x / rms(x) * (1 + w) with the float32 (1 + w) passed in (one rounding, as
   // transformers' Gemma3RMSNorm); post-norms on the attention and feed-forward outputs before their residual
@@ -445,17 +448,23 @@ struct Model {
   template <typename WT, typename XT>
   void attend(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
               const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0, int64_t nh,
-              XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc = nullptr,
-              int64_t win = 0, bool q8 = false) const;
+              XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc, int64_t win, bool q8,
+              const KeyPart& part) const;
+  template <typename WT, typename XT>
+  void attend_parts(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
+                    const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0, int64_t nh,
+                    XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc = nullptr,
+                    int64_t win = 0, bool q8 = false) const;
   template <typename XT>
   void attend_amx(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx,
                   const std::vector<int64_t>& bt, int64_t bs, const bf16_t* kc, const bf16_t* vc, int64_t h0,
                   int64_t nh, XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc,
-                  int64_t win) const;
+                  int64_t win, const KeyPart& part) const;
   template <typename WT, typename XT, int NV, bool Q8>
   void attend_nv(const float* q, const int64_t* pos, int64_t t0, int64_t nq, int64_t ctx, int64_t kv_len,
                  const std::vector<int64_t>& bt, int64_t bs, const WT* kc, const WT* vc, int64_t h0, int64_t nh,
-                 XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc, int64_t win) const;
+                 XT* ain, std::vector<float>& S, std::vector<float>& O, const int64_t* anc, int64_t win,
+                 const KeyPart& part) const;
   // the attention items of a step with B sequences: (sequence, run of its q heads), numbered sequence-major. One
   // item per sequence reads each cache row (all kv groups, adjacent) in one pass; a single sequence splits its
   // heads into one run per thread.
