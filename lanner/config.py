@@ -94,7 +94,8 @@ class EngineConfig:
                             f"(1..{SPEC_MAX_TOKENS}; suffix paths up to spec_max_tokens deep, the head's up to "
                             "spec_tokens), verified in one forward under a tree attention mask; 0: chains")
     # on the 2-core CPU the hybrid on agent sessions gains 1.43x / 1.59x / 1.07x output tok/s at 1 / 2 / 4 running
-    # requests and loses at 8 (0.88x): results/bench_spec_batch_hybrid (n-gram on chat: results/bench_spec_batch)
+    # requests and loses at 8 (0.88x): results/bench_spec_batch_hybrid (n-gram on chat: results/bench_spec_batch);
+    # on Qwen2.5-Coder-1.5B the median user loses at 8 too (0.90x per-user P50): results/bench_spec_batch_qwen
     spec_max_batch: int = option(4, "spec", "speculate only while at most this many requests run")
     grammar_draft_tokens: int = option(8, "spec", "constrained requests draft up to this many tokens their grammar "
                                        "forces, with any --spec (the target verifies them); 0: off")
