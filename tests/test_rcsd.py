@@ -113,8 +113,13 @@ def test_training_moves_the_head_toward_the_target(setup, method):
                      beta=0.1, checkpoint_every=10_000)
     items = [{"id": str(i), "turns": [" ".join(map(str, p))]} for i, p in enumerate(prompts[:16])]
     rows = generate_sequences(_Ids(spec), items, str(tmp / f"{method}.jsonl"), cfg.draft_lengths, max_new_tokens=24)
-    train_rcsd(target.engine.model, str(tmp / "hass"), rows, str(tmp / method), cfg)
-    hist = json.load(open(tmp / method / "training.json"))["history"]
+    # a prompt longer than max_len: no output within it, so it is left out
+    long = [{"id": "long", "k": k, "prompt_ids": [1] * (cfg.max_len + 10), "output_ids": [2] * 30, "sources": [0] * 30}
+            for k in [0, *cfg.draft_lengths]]
+    train_rcsd(target.engine.model, str(tmp / "hass"), rows + long, str(tmp / method), cfg)
+    training = json.load(open(tmp / method / "training.json"))
+    hist = training["history"]
+    assert training["cost"]["prompts"] == len(items)
     assert (tmp / method / "curves.png").stat().st_size > 0
     if method == "dpo":
         assert hist[0]["loss"] == pytest.approx(0.693, abs=0.05)  # the policy starts as the reference

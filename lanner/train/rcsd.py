@@ -254,8 +254,8 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     groups = []
     t0 = time.perf_counter()
     for pid, seqs in tqdm(sorted(by_prompt.items()), desc="target features + reference", unit="prompt"):
-        if not all(k in seqs for k in need):
-            continue
+        if not all(k in seqs for k in need) or len(seqs[TARGET_ONLY]["prompt_ids"]) >= cfg.max_len:
+            continue  # (a prompt that fills max_len leaves no output to train on)
         group = [Sequence(seqs[k], model, head, t2d, cfg.k if cfg.method == "dpo" else cfg.max_chain, cfg.max_len)
                  for k in need]
         if cfg.method != "lk":  # LK has no reference term
