@@ -2,8 +2,8 @@
 one process, rounds alternated: decode tok/s of one request at several context lengths, plain greedy decoding,
 and whether the tokens are identical (they must be: the same part states folded in the same order).
 
-Usage: python tools/attn_split.py [--model qwen2.5-coder-1.5b] (default: the bundled GGUF) [--contexts 1024,4096] [--threads 2]
-           [--tokens 64] [--rounds 3]
+Usage: python tools/attn_split.py [--model qwen2.5-coder-1.5b] (default: the bundled GGUF) [--contexts 1024,4096]
+           [--threads 2] [--tokens 64] [--rounds 3]
 Writes results/attn_split_<model>.json and .png; stop other jobs first (it is a benchmark)."""
 import argparse
 import os
@@ -24,8 +24,9 @@ ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--dtype", default="auto")
 args = ap.parse_args()
 torch.set_num_threads(args.threads)
+contexts = [int(c) for c in args.contexts.split(",")]
 llm = LLM(**({"model": args.model} if args.model else {}), dtype=args.dtype, spec="none", plugin="lowlat",
-          plugin_options={"lowlat": {"threads": args.threads}}, max_model_len=max(map(int, args.contexts.split(","))) + 256)
+          plugin_options={"lowlat": {"threads": args.threads}}, max_model_len=max(contexts) + 256)
 kernel = llm.engine.plugins.plugins[0].kernel
 kernel.profile = True
 # real text, repeated to length: the source files of this package
@@ -34,7 +35,7 @@ text = "".join(open(os.path.join(r, f)).read() for r, _, fs in os.walk(os.path.d
 ids = llm.tokenizer.encode(text)
 params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
 runs, table = [], []
-for ctx in map(int, args.contexts.split(",")):
+for ctx in contexts:
     prompt = ids[:ctx]
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))  # the prompt's KV, cached from here on
     got = {True: [], False: []}

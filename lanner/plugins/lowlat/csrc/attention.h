@@ -8,7 +8,8 @@
 namespace lowlat {
 
 // one attention item: the q heads h0 .. h0 + nh - 1 of one kv group (GQA), rows t0..t0+nq-1 of q at positions
-// pos[t] over keys 0..ctx-1 (those in part.k0 .. part.k1 - 1; with part.st, the rows' states are written there). Each key and value vector is loaded once for all the item's (row, head) pairs.
+// pos[t] over keys 0..ctx-1 (those in part.k0 .. part.k1 - 1; with part.st, the rows' states are written there).
+// Each key and value vector is loaded once for all the item's (row, head) pairs.
 // The arithmetic follows PyTorch's CPU flash attention (what the engine's SDPA runs), so that bf16 results
 // agree bit for bit in nearly all elements: keys in blocks of 512 with an online softmax (running max,
 // rescaled sum and output); fexp_u20 (bf16) / exp_u20 (float32) on the 16-wide part of a block and std::exp
