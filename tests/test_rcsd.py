@@ -9,6 +9,7 @@ from test_train_hass import V, tiny_target
 from lanner import LLM, SamplingParams
 from lanner.engine.llm_engine import RequestError
 from lanner.spec.draft_head import DraftHead
+from lanner.train import rcsd
 from lanner.train.hass import TrainConfig, train_draft_head
 from lanner.train.rcsd import (
     RCSDConfig,
@@ -107,7 +108,7 @@ def _all_step_logprobs(s, head, embed):
 
 
 @pytest.mark.parametrize("method", ["dpo", "grpo", "lk"])
-def test_training_moves_the_head_toward_the_target(setup, method):
+def test_training_moves_the_head_toward_the_target(setup, method, monkeypatch):
     tmp, target, spec, prompts = setup
     cfg = RCSDConfig(method=method, k=3, ks=(1, 2, 3), epochs=3, lr=2e-3, warmup_steps=2, grad_accum=2,
                      beta=0.1, checkpoint_every=10_000)
@@ -124,6 +125,12 @@ def test_training_moves_the_head_toward_the_target(setup, method):
     if method == "dpo":
         assert hist[0]["loss"] == pytest.approx(0.693, abs=0.05)  # the policy starts as the reference
         assert hist[-1]["loss"] < 0.6 and hist[-1]["reward"] > 0
+        # a rerun from scratch reads the stored features and reference scores back, and trains the same head
+        monkeypatch.setattr(rcsd, "target_pass", lambda *a, **k: pytest.fail("features computed again"))
+        train_rcsd(target.engine.model, str(tmp / "hass"), rows + long, str(tmp / "again"), cfg, resume=False,
+                   prep_dir=str(tmp / method))
+        again, first = DraftHead.load(str(tmp / "again")), DraftHead.load(str(tmp / method))
+        assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), first.state_dict().values()))
     elif method == "lk":  # the control trains on the target's own sequences only, toward acceptance
         assert {r["k"] for r in rows} == {0}
         def mean(key, part):  # over 4 optimizer steps: one step sees 2 prompts

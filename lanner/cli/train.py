@@ -150,6 +150,8 @@ def add_rcsd(sub):
     p.add_argument("--init", default="hass", help="the HASS head to start from: 'hass', 'default' or a folder")
     p.add_argument("--out", required=True, help="output folder for the trained head")
     p.add_argument("--data", default="data/rcsd/sequences.jsonl", help="cache of the generated sequences")
+    p.add_argument("--features", default=None, help="folder of the stored target features and reference scores "
+                   "(default --out): runs with other training settings on the same sequences read them back")
     p.add_argument("--num-prompts", type=int, default=200, help="ShareGPT training prompts (90%% split)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generated sequence")
     p.add_argument("--gen-batch", type=int, default=16, help="sequences generated per engine batch")
@@ -185,9 +187,11 @@ def run_rcsd(args):
     kwargs = single_process(engine_kwargs(args), "rcsd") | {
         "spec": "draft", "draft": init, "spec_tokens": cfg.max_chain, "spec_max_batch": args.gen_batch,
         "max_num_seqs": args.gen_batch}
+    if not cfg.draft_lengths:  # target-only sequences alone (LK): plain batched decoding writes them fastest
+        kwargs |= {"spec": "none", "draft": None}
     llm = LLM(**kwargs)
     train, _ = split_sharegpt(args.split_seed)
     rows = generate_sequences(llm, train[: args.num_prompts], args.data, cfg.draft_lengths, args.max_new_tokens,
                               args.gen_batch)
-    train_rcsd(llm.engine.model, init, rows, args.out, cfg, resume=not args.no_resume)
+    train_rcsd(llm.engine.model, init, rows, args.out, cfg, resume=not args.no_resume, prep_dir=args.features)
     print(f"wrote the {args.method} head to {args.out} (training.json, curves.png beside it)")

@@ -23,6 +23,7 @@ Tokens the target wrote are masked out. The frozen initial head is the reference
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -38,6 +39,7 @@ from lanner.spec.draft_head import DraftHead
 from lanner.train.hass import TrainConfig, load_train_state, save_train_state, ttt_forward, ttt_losses
 
 TARGET_ONLY = 0  # "k" of the sequence the target wrote alone
+PREP_CHUNK = 256  # prompts per stored file of target features and reference scores
 
 
 @dataclass
@@ -187,6 +189,13 @@ class Sequence:
         self.num_steps = int(self.steps.max()) + 1 if len(self.steps) else 0
         self.ref_logp: torch.Tensor | None = None
 
+    @classmethod
+    def restore(cls, state: dict) -> "Sequence":
+        """A Sequence from its stored vars() (the prep cache)."""
+        s = cls.__new__(cls)
+        s.__dict__.update(state)
+        return s
+
     def chain_logprobs(self, head: DraftHead, embed) -> torch.Tensor:
         """log q of each kept draft-written token through the head's chain ([m])."""
         out = torch.zeros(len(self.steps))
@@ -234,10 +243,11 @@ def grpo_loss(policy: list[torch.Tensor], ref: list[torch.Tensor], adv: torch.Te
 # ---------------------------------------------------------------- training
 
 def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig, resume: bool = True,
-               log=print) -> DraftHead:
+               log=print, prep_dir: str | None = None) -> DraftHead:
     """model: the target (LlamaModel); init: the HASS head folder (also the frozen reference); rows: from
     generate_sequences. Writes the head, training.json and curves.png to out_dir (the curves only with matplotlib,
-    the bench extra: like train_draft_head's loss curve, skipped with a warning given at the start)."""
+    the bench extra: like train_draft_head's loss curve, skipped with a warning given at the start). Target
+    features and reference scores are stored in prep_dir (default out_dir) and read back by any later run."""
     torch.manual_seed(cfg.seed)
     os.makedirs(out_dir, exist_ok=True)
     plot = charts_or_warning(os.path.join(out_dir, "curves.png"))
@@ -251,20 +261,46 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     for r in rows:
         by_prompt.setdefault(r["id"], {})[r["k"]] = r
     need = [TARGET_ONLY] + cfg.draft_lengths
-    groups = []
-    t0 = time.perf_counter()
-    for pid, seqs in tqdm(sorted(by_prompt.items()), desc="target features + reference", unit="prompt"):
-        if not all(k in seqs for k in need) or len(seqs[TARGET_ONLY]["prompt_ids"]) >= cfg.max_len:
-            continue  # (a prompt that fills max_len leaves no output to train on)
-        group = [Sequence(seqs[k], model, head, t2d, cfg.k if cfg.method == "dpo" else cfg.max_chain, cfg.max_len)
-                 for k in need]
+    # (a prompt that fills max_len leaves no output to train on)
+    items = [(pid, seqs) for pid, seqs in sorted(by_prompt.items())
+             if all(k in seqs for k in need) and len(seqs[TARGET_ONLY]["prompt_ids"]) < cfg.max_len]
+    if not items:
+        raise ValueError("rcsd: no prompt has all the sequences this method needs; generate them first")
+    pattern_k = cfg.k if cfg.method == "dpo" else cfg.max_chain
+
+    def prepare(seqs):
+        group = [Sequence(seqs[k], model, head, t2d, pattern_k, cfg.max_len) for k in need]
         if cfg.method != "lk":  # LK has no reference term
             with torch.no_grad():
                 for s in group:
                     s.ref_logp = s.chain_logprobs(ref, embed)
-        groups.append(group)
-    if not groups:
-        raise ValueError("rcsd: no prompt has all the sequences this method needs; generate them first")
+        return group
+
+    # stored by chunks of prompts, named by what they depend on: a rerun or another run's head reads them back
+    prep_dir = prep_dir or out_dir
+    os.makedirs(prep_dir, exist_ok=True)
+    tag = hashlib.sha1(json.dumps([os.path.realpath(init), cfg.method, pattern_k, cfg.max_len, need,
+                                   list(head.cfg.feature_layers), model.cfg.vocab_size, model.cfg.num_layers]
+                                  ).encode()).hexdigest()[:10]
+    groups = []
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(items), desc="target features + reference", unit="prompt")
+    for c in range(0, len(items), PREP_CHUNK):
+        chunk, path = items[c : c + PREP_CHUNK], os.path.join(prep_dir, f"prep-{tag}-{c // PREP_CHUNK:04d}.pt")
+        ids = [pid for pid, _ in chunk]
+        saved = torch.load(path, weights_only=False) if os.path.exists(path) else None
+        if saved is not None and saved["ids"] == ids:
+            groups += [[Sequence.restore(d) for d in g] for g in saved["groups"]]
+            bar.update(len(chunk))
+            continue
+        new = []
+        for _, seqs in chunk:
+            new.append(prepare(seqs))
+            bar.update(1)
+        torch.save({"ids": ids, "groups": [[vars(s) for s in g] for g in new]}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        groups += new
+    bar.close()
     prep_s = time.perf_counter() - t0
 
     params = [p for p in head.parameters() if p.requires_grad]
