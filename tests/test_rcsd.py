@@ -111,7 +111,7 @@ def _all_step_logprobs(s, head, embed):
 def test_training_moves_the_head_toward_the_target(setup, method, monkeypatch):
     tmp, target, spec, prompts = setup
     cfg = RCSDConfig(method=method, k=3, ks=(1, 2, 3), epochs=3, lr=2e-3, warmup_steps=2, grad_accum=2,
-                     beta=0.1, checkpoint_every=10_000)
+                     beta=0.1, checkpoint_every=10_000, bf16=method == "lk")  # LK trains under bf16 autocast
     items = [{"id": str(i), "turns": [" ".join(map(str, p))]} for i, p in enumerate(prompts[:16])]
     rows = generate_sequences(_Ids(spec), items, str(tmp / f"{method}.jsonl"), cfg.draft_lengths, max_new_tokens=24)
     # a prompt longer than max_len: no output within it, so it is left out

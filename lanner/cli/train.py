@@ -158,6 +158,7 @@ def add_rcsd(sub):
     p.add_argument("--split-seed", type=int, default=0, help="seed of the ShareGPT 90/10 split")
     p.add_argument("--no-resume", action="store_true", help="start training from scratch")
     p.add_argument("--ks", default="1,2,3", help="GRPO: draft lengths of the draft-alternating group members")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast of the head's matmuls in training")
     defaults = RCSDConfig()
     for name, help_text in [("k", "DPO: draft tokens per target token in the bad sequence (serving depth)"),
                             ("beta", "DPO temperature / GRPO KL weight"), ("epsilon", "GRPO ratio clip"),
@@ -180,7 +181,7 @@ def run_rcsd(args):
         cfg = RCSDConfig(method=args.method, k=args.k, ks=tuple(int(x) for x in args.ks.split(",")),
                          beta=args.beta, epsilon=args.epsilon, epochs=args.epochs, lr=args.lr,
                          warmup_steps=args.warmup_steps, grad_accum=args.grad_accum, max_len=args.max_len,
-                         checkpoint_every=args.checkpoint_every, seed=args.seed)
+                         checkpoint_every=args.checkpoint_every, seed=args.seed, bf16=args.bf16)
         init = resolve_draft(args.init)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")

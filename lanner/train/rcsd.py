@@ -57,6 +57,7 @@ class RCSDConfig:
     max_len: int = 640
     checkpoint_every: int = 50
     seed: int = 0
+    bf16: bool = False  # bfloat16 autocast of the head's matmuls in training, as train-base trains the base
 
     def __post_init__(self):
         if self.method not in ("dpo", "grpo", "lk"):
@@ -242,6 +243,25 @@ def grpo_loss(policy: list[torch.Tensor], ref: list[torch.Tensor], adv: torch.Te
 
 # ---------------------------------------------------------------- training
 
+def group_loss(head: DraftHead, embed, t2d: torch.Tensor, group: list[Sequence], cfg: RCSDConfig):
+    """(loss, reward, extra) of one prompt's group: the method's loss, its logged reward (LK: top-1 agreement at
+    chain step 0; DPO: the implicit reward margin; GRPO: the advantage-weighted log-likelihood gain over the
+    reference, what the objective raises) and extra (LK: top-1 over all steps; DPO: margin > 0; GRPO: the KL)."""
+    if cfg.method == "lk":
+        s = group[0]
+        loss, _, acc = ttt_losses(head, embed, s.feats.float(), s.ids, s.top_i, s.top_p, t2d, s.prompt_len,
+                                  cfg.k, TrainConfig.step_decay, objective="lk")
+        return loss, acc[0], sum(acc) / len(acc)
+    policy = [s.chain_logprobs(head, embed) for s in group]
+    if cfg.method == "dpo":
+        loss, margin = dpo_loss(policy[0], group[0].ref_logp, policy[1], group[1].ref_logp, cfg.beta)
+        return loss, float(margin), float(margin > 0)
+    adv = grpo_advantages(group)
+    loss, kl = grpo_loss(policy, [s.ref_logp for s in group], adv, cfg.epsilon, cfg.beta)
+    reward = float(sum(a * (p.detach() - s.ref_logp).mean() for a, p, s in zip(adv, policy, group) if len(p)))
+    return loss, reward / len(group), kl
+
+
 def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig, resume: bool = True,
                log=print, prep_dir: str | None = None) -> DraftHead:
     """model: the target (LlamaModel); init: the HASS head folder (also the frozen reference); rows: from
@@ -325,25 +345,10 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
                    f"{epoch + 1}", unit="prompt")
         for i in bar:
             group = groups[order[i]]
-            if cfg.method == "lk":
-                s = group[0]
-                loss, _, acc = ttt_losses(head, embed, s.feats.float(), s.ids, s.top_i, s.top_p, t2d, s.prompt_len,
-                                          cfg.k, TrainConfig.step_decay, objective="lk")
-                acc_reward.append(acc[0])
-                acc_extra.append(sum(acc) / len(acc))
-            elif cfg.method == "dpo":
-                policy = [s.chain_logprobs(head, embed) for s in group]
-                loss, margin = dpo_loss(policy[0], group[0].ref_logp, policy[1], group[1].ref_logp, cfg.beta)
-                acc_reward.append(float(margin))
-                acc_extra.append(float(margin > 0))
-            else:
-                policy = [s.chain_logprobs(head, embed) for s in group]
-                adv = grpo_advantages(group)
-                loss, kl = grpo_loss(policy, [s.ref_logp for s in group], adv, cfg.epsilon, cfg.beta)
-                # reward: advantage-weighted log-likelihood gain over the reference (what the objective raises)
-                acc_reward.append(float(sum(a * (p.detach() - s.ref_logp).mean() for a, p, s in zip(adv, policy, group)
-                                            if len(p)) / len(group)))
-                acc_extra.append(kl)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+                loss, reward, extra = group_loss(head, embed, t2d, group, cfg)
+            acc_reward.append(reward)
+            acc_extra.append(extra)
             (loss / cfg.grad_accum).backward()
             acc_loss.append(float(loss.detach()))
             if (i + 1) % cfg.grad_accum == 0:
