@@ -191,16 +191,16 @@ def test_greedy_is_lossless_alone_batched_and_with_prefix_hits(spec, llm32, plai
         fresh = {"slow": ["Name three rivers in Africa.", "Write a haiku about snow."],
                  "free": ["List two uses of copper.", "Describe a lighthouse in one sentence."]}
         seeded = SamplingParams(temperature=0.9, max_tokens=16, seed=7, ignore_eos=True)
-        saved, runs, samples = (p.head_s, p.cost), {}, {}
+        saved, runs, samples = (p.head_s, p.head_time, p.cost), {}, {}
         try:
             for name, head_s in (("slow", 1e6 * p.cost.decode_s()), ("free", 0.0)):
-                p.head_s = head_s
+                p.head_s, p.head_time = head_s, StepCost()  # one mean time for any length
                 if name == "free":
                     p.cost = StepCost()  # not fitted: rows count as free
                 runs[name] = llm.generate(fresh[name], GREEDY)
                 samples[name] = llm.generate(fresh["slow"][0], seeded)[0].token_ids
         finally:
-            p.head_s, p.cost = saved
+            p.head_s, p.head_time, p.cost = saved
         assert samples["slow"] == samples["free"]  # a seed reproduces its text whatever the machine's timings
         assert not any(p.head.name in o.metrics["spec_draft_tokens"] for o in runs["slow"])
         assert any(p.head.name in o.metrics["spec_draft_tokens"] for o in runs["free"])
@@ -252,6 +252,37 @@ def test_hybrid_drafts_the_prefix_that_pays_for_its_rows():
         cost.add(1, 1.0)
         cost.add(3, 3.0)  # now every row costs a decode step
     assert cost.ratio(4) == pytest.approx(4.0, rel=1e-3)
+
+
+def test_hybrid_head_drafts_the_length_that_pays():
+    """The head's draft length is chosen like the suffix prefix: its expected accepted tokens (this request's running
+    chance per position, a prior before any) against the verify rows and the head call's time, lines in the length."""
+    from lanner.spec.base import Proposer
+
+    cost = StepCost()
+    for _ in range(4):
+        cost.add(1, 1.0)
+        cost.add(3, 1.5)  # T(n) = 0.75 + 0.25 n
+    p = HybridProposer(suffix=SuffixProposer(), head=Proposer(), head_tokens=3)
+    p.cost, st = cost, HybridState()
+    # the prior: e = 0.45, 0.6075, 0.663 over ratio(2, 3, 4) = 1.25, 1.5, 1.75 -> one token pays best
+    assert p.best_head(st, 3, timed=True) == (pytest.approx(1.45 / 1.25), 1)
+    assert p.best_head(st, 3, timed=False)[1] == 3  # a seeded sample: the longest draft, whatever the times
+    p.head_s = 0.5  # timed at one length only: every length costs that mean
+    assert p.head_cost(1) == p.head_cost(3) == pytest.approx(0.5)
+    assert p.best_head(st, 3, timed=True) == (pytest.approx(1.45 / 1.75), 1)  # < 1: slower than a plain step
+    for n in (1, 3, 1, 3, 1, 3, 1, 3):
+        p.head_time.add(n, 0.1 * n)  # two lengths timed: the line, 0.1 decode steps a token
+    assert p.head_cost(2) == pytest.approx(0.2)
+    assert p.best_head(st, 3, timed=True) == (pytest.approx(1.45 / 1.35), 1)
+    for _ in range(20):  # on this request the head's drafts are accepted whole
+        p.after_verify(None, HybridState(source=p.head.name, head_rates=st.head_rates), 3, 3, 0)
+    assert all(r > 0.99 for r in st.head_rates) and len(st.head_rates) == 3
+    assert p.best_head(st, 3, timed=True)[1] == 3
+    for _ in range(20):  # then its first token is rejected: the later positions are not tried, so they keep theirs
+        p.after_verify(None, HybridState(source=p.head.name, head_rates=st.head_rates), 3, 0, 0)
+    assert st.head_rates[0] < 0.01 and st.head_rates[2] > 0.99
+    assert p.best_head(st, 3, timed=True)[0] < 1.0  # worse than a plain step: the suffix draft (or none) wins
 
 
 def test_server_passes_user_and_reports_drafts_per_proposer():

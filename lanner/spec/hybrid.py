@@ -7,15 +7,18 @@ and the length of the context it matched. How likely the target is to accept eac
 learned on this engine from the suffix drafts it verified (Acceptance): per bucket of the index's frequency for that
 token and of the match length, starting from the frequency itself. The running products of those chances, summed,
 are the tokens a draft prefix expects to get accepted. (A tree draft: its score, scaled by accepted / predicted over
-the trees verified lately.) It costs microseconds. The head's expectation is the running mean of its accepted
-tokens per verify step on this request (a prior until it has drafted), and it costs a head forward.
+the trees verified lately.) It costs microseconds. The head's expectation for a draft of n tokens: the running
+products of this request's chances that the target accepts the head's j-th token once it accepted the ones before
+(running means per position, a prior until it has drafted), summed; a draft costs a head call, timed as a line in
+its length.
 
 Time is what a step costs in the rows it verifies: T(n) = a + b n, fitted over the recent decode and verify
 forwards (StepCost). On a GPU a few more rows are nearly free; on lowlat's CPU path every row pays its share of the
 matmuls and of the attention (the AVX2 q8 GEMV: 4 rows cost 2.8x one), so a draft pays only when its expected
 acceptance beats that. With e_L the expected accepted tokens of the first L suffix tokens and H the head's drafting
-time, a step emits 1 / T(1) tokens per second plain, (1 + e_L) / T(1 + L) with the suffix prefix, and
-(1 + head accepted) / (T(1 + k) + H) with the head; the largest wins. Until steps of several sizes have been
+time for n tokens, a step emits 1 / T(1) tokens per second plain, (1 + e_L) / T(1 + L) with the suffix prefix,
+and (1 + h_n) / (T(1 + n) + H(n)) with the head's best length n; the largest wins. (On a small target a 4-row verify
+costs about twice a decode step, so a head accepting ~0.4 at its first token pays at n = 1 and not at 3.) Until steps of several sizes have been
 timed the rows count as free and the head costs nothing (each option gets its chance). A seeded sample decides
 without the times: its drafts, and with them the verifier's random draws, must be a function of its prompt and seed
 alone, not of the machine's load.
@@ -28,7 +31,8 @@ from dataclasses import dataclass, field
 from lanner.spec.base import Draft, Proposer, draft_room
 from lanner.spec.suffix import SuffixProposer, SuffixState
 
-HEAD_PRIOR = 0.5  # accepted tokens per head step before a request has any (the shipped head: ~0.4-0.5 at k = 3)
+HEAD_PRIOR = (0.45, 0.35)  # the chance of the head's first token being accepted, and of each later one after an
+# accepted one, before a request has drafted (the shipped heads: 0.35-0.47 at the first, ~0.33 after)
 HEAD_DECAY = 0.7  # weight of the old mean per head step: recent text decides
 TIME_DECAY = 0.9  # weight of the old mean of the head's drafting time
 COST_DECAY = 0.97  # weight of the older steps in the step-time fit (per step)
@@ -119,7 +123,11 @@ class StepCost:
         return max(1.0, (a + b * rows) / (a + b))
 
     def decode_s(self) -> float | None:
-        return None if self.line is None else self.line[0] + self.line[1]
+        return self.seconds(1)
+
+    def seconds(self, rows: int) -> float | None:
+        """T(rows), or None before the fit."""
+        return None if self.line is None else max(0.0, self.line[0] + self.line[1] * rows)
 
 
 @dataclass
@@ -129,7 +137,7 @@ class HybridState:
     suffix: SuffixState = field(default_factory=SuffixState)
     head: object = None  # the head proposer's state
     source: str | None = None  # the proposer that drafted the request's last step
-    head_accepted: float | None = None  # running mean of the head's accepted tokens per step
+    head_rates: list[float] = field(default_factory=list)  # running P(head token j accepted | the ones before)
     suffix_predicted: float = 0.0  # accepted tokens the suffix draft of the last step was expected to get
     suffix_chain: tuple[list[float], int] | None = None  # that draft's running probabilities and match
 
@@ -141,6 +149,7 @@ class HybridProposer(Proposer):
         self.suffix, self.head, self.head_tokens = suffix, head, head_tokens
         self.cost = StepCost()
         self.head_s: float | None = None  # moving mean of a head drafting call's seconds
+        self.head_time = StepCost()  # a head call's seconds as a line in its draft length
         self.acceptance = Acceptance()  # suffix chains
         self.predicted = self.accepted = 0.0  # decayed sums over suffix tree verifications: expected vs accepted
 
@@ -158,10 +167,25 @@ class HybridProposer(Proposer):
     def source(self, st) -> str:
         return st.source or self.name
 
-    def head_cost(self) -> float:
-        """A head draft's time relative to a decode step (0 until both were measured)."""
+    def head_cost(self, n: int) -> float:
+        """An n-token head draft's time relative to a decode step (0 until both were measured): the line through
+        the timed calls, or their mean while they all drafted one length."""
         t1 = self.cost.decode_s()
-        return 0.0 if t1 is None or self.head_s is None else self.head_s / t1
+        if t1 is None or self.head_s is None:
+            return 0.0
+        s = self.head_time.seconds(n)
+        return (self.head_s if s is None else s) / t1
+
+    def best_head(self, st, kh: int, timed: bool) -> tuple[float, int]:
+        """(tokens per decode-step time, draft length) of the head's best draft of at most kh tokens."""
+        best, run, expect = (0.0, 0), 1.0, 0.0
+        for j in range(kh):
+            run *= st.head_rates[j] if j < len(st.head_rates) else HEAD_PRIOR[min(j, 1)]
+            expect += run
+            rate = (1 + expect) / (self.cost.ratio(2 + j) + self.head_cost(j + 1)) if timed else 1 + expect
+            if rate > best[0]:
+                best = (rate, j + 1)
+        return best
 
     def calibration(self) -> float:
         """Accepted / predicted tokens of the suffix trees verified lately (1 before any)."""
@@ -183,18 +207,17 @@ class HybridProposer(Proposer):
 
     def propose(self, requests, ks, states):
         out: list = [None] * len(requests)
-        to_head = []
-        head_cost = self.head_cost()
+        to_head, head_len = [], 0
         for i, (r, k, st) in enumerate(zip(requests, ks, states)):
             d = self.suffix.draft(r, st.suffix, k)
             timed = r.params.seed is None or r.params.greedy
             rate, n, predicted = self.best_suffix(d, timed)
-            expect = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
             kh = min(k, self.head_tokens, draft_room(r)) if self.head is not None else 0
-            head_rate = (1 + expect) / (self.cost.ratio(1 + kh) + head_cost) if timed else 1 + expect
-            if kh > 0 and head_rate > rate:
+            head_rate, n_head = self.best_head(st, kh, timed)
+            if n_head > 0 and head_rate > rate:
                 st.source = self.head.name
                 to_head.append(i)
+                head_len = max(head_len, n_head)  # one length for the step's head drafts: one fused call
             else:  # the suffix draft's best prefix (possibly empty: a plain decode step is the better bet)
                 st.source, st.suffix_predicted = self.suffix.name, predicted
                 st.suffix_chain = (d.probs[:n], d.match) if d.probs is not None else None
@@ -206,10 +229,11 @@ class HybridProposer(Proposer):
             steady = all(h.features is None or h.features.shape[0] <= ks[i] + 1 for h, i in zip(heads, to_head))
             t0 = time.perf_counter()
             drafts = self.head.propose([requests[i] for i in to_head],
-                                       [min(ks[i], self.head_tokens, draft_room(requests[i])) for i in to_head],
-                                       heads)
+                                       [min(ks[i], head_len, draft_room(requests[i])) for i in to_head], heads)
             if steady:
-                self.head_s = _mean(self.head_s, time.perf_counter() - t0)
+                seconds = time.perf_counter() - t0
+                self.head_s = _mean(self.head_s, seconds)
+                self.head_time.add(head_len, seconds)
             for i, d in zip(to_head, drafts):
                 out[i] = d
         return out
@@ -232,8 +256,14 @@ class HybridProposer(Proposer):
         if self.head is None or st.source != self.head.name:
             return
         self.head.after_verify(req, st.head, num_proposed, num_accepted, tokens_before)
-        prev = HEAD_PRIOR if st.head_accepted is None else st.head_accepted
-        st.head_accepted = HEAD_DECAY * prev + (1 - HEAD_DECAY) * num_accepted
+        rates = st.head_rates
+        for j in range(min(num_accepted + 1, num_proposed)):  # the positions tried: up to the first rejected one
+            prev = rates[j] if j < len(rates) else HEAD_PRIOR[min(j, 1)]
+            rate = HEAD_DECAY * prev + (1 - HEAD_DECAY) * (j < num_accepted)
+            if j < len(rates):
+                rates[j] = rate
+            else:
+                rates.append(rate)
 
     def finish(self, req, st, completed):
         if self.head is not None:
