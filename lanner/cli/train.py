@@ -154,7 +154,8 @@ def add_rcsd(sub):
                    "(default --out): runs with other training settings on the same sequences read them back")
     p.add_argument("--num-prompts", type=int, default=200, help="ShareGPT training prompts (90%% split)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generated sequence")
-    p.add_argument("--gen-batch", type=int, default=16, help="sequences generated per engine batch")
+    p.add_argument("--gen-batch", type=int, default=8, help="sequences generated per engine batch (lowlat runs "
+                   "steps of up to its max_batch, 8, on its kernels; larger ones on the engine's slower forward)")
     p.add_argument("--split-seed", type=int, default=0, help="seed of the ShareGPT 90/10 split")
     p.add_argument("--no-resume", action="store_true", help="start training from scratch")
     p.add_argument("--ks", default="1,2,3", help="GRPO: draft lengths of the draft-alternating group members")

@@ -17,9 +17,10 @@ forwards (StepCost). On a GPU a few more rows are nearly free; on lowlat's CPU p
 matmuls and of the attention (the AVX2 q8 GEMV: 4 rows cost 2.8x one), so a draft pays only when its expected
 acceptance beats that. With e_L the expected accepted tokens of the first L suffix tokens and H the head's drafting
 time for n tokens, a step emits 1 / T(1) tokens per second plain, (1 + e_L) / T(1 + L) with the suffix prefix,
-and (1 + h_n) / (T(1 + n) + H(n)) with the head's best length n; the largest wins. (On a small target a 4-row verify
-costs about twice a decode step, so a head accepting ~0.4 at its first token pays at n = 1 and not at 3.) Until steps of several sizes have been
-timed the rows count as free and the head costs nothing (each option gets its chance). A seeded sample decides
+and (1 + h_n) / (T(1 + n) + H(n)) with the head's best length n; the largest wins. (On a small target a 4-row
+verify costs about twice a decode step, so a head accepting ~0.4 at its first token pays at n = 1, not at 3.)
+Until steps of several sizes have been timed the rows count as free and the head costs nothing (each option gets
+its chance). A seeded sample decides
 without the times: its drafts, and with them the verifier's random draws, must be a function of its prompt and seed
 alone, not of the machine's load.
 """
