@@ -131,6 +131,10 @@ def test_training_moves_the_head_toward_the_target(setup, method, monkeypatch):
                    prep_dir=str(tmp / method))
         again, first = DraftHead.load(str(tmp / "again")), DraftHead.load(str(tmp / method))
         assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), first.state_dict().values()))
+        changed = [dict(r, output_ids=r["output_ids"][:-1] + [r["output_ids"][-1] + 1]) if r is rows[0] else r for r in rows]
+        with pytest.raises(pytest.fail.Exception, match="features computed again"):  # a changed sequence: recomputed
+            train_rcsd(target.engine.model, str(tmp / "hass"), changed, str(tmp / "again"), cfg, resume=False,
+                       prep_dir=str(tmp / method))
     elif method == "lk":  # the control trains on the target's own sequences only, toward acceptance
         assert {r["k"] for r in rows} == {0}
         def mean(key, part):  # over 4 optimizer steps: one step sees 2 prompts

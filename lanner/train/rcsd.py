@@ -243,6 +243,13 @@ def grpo_loss(policy: list[torch.Tensor], ref: list[torch.Tensor], adv: torch.Te
 
 # ---------------------------------------------------------------- training
 
+def rows_digest(chunk: list[tuple[str, dict]], need: list[int]) -> str:
+    """What a stored chunk of prepared prompts was computed from: their ids and sequences."""
+    rows = [[pid] + [[seqs[k]["prompt_ids"], seqs[k]["output_ids"], seqs[k]["sources"]] for k in need]
+            for pid, seqs in chunk]
+    return hashlib.sha1(json.dumps(rows).encode()).hexdigest()
+
+
 def group_loss(head: DraftHead, embed, t2d: torch.Tensor, group: list[Sequence], cfg: RCSDConfig):
     """(loss, reward, extra) of one prompt's group: the method's loss, its logged reward (LK: top-1 agreement at
     chain step 0; DPO: the implicit reward margin; GRPO: the advantage-weighted log-likelihood gain over the
@@ -307,9 +314,9 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     bar = tqdm(total=len(items), desc="target features + reference", unit="prompt")
     for c in range(0, len(items), PREP_CHUNK):
         chunk, path = items[c : c + PREP_CHUNK], os.path.join(prep_dir, f"prep-{tag}-{c // PREP_CHUNK:04d}.pt")
-        ids = [pid for pid, _ in chunk]
+        digest = rows_digest(chunk, need)
         saved = torch.load(path, weights_only=False) if os.path.exists(path) else None
-        if saved is not None and saved["ids"] == ids:
+        if saved is not None and saved["rows"] == digest:
             groups += [[Sequence.restore(d) for d in g] for g in saved["groups"]]
             bar.update(len(chunk))
             continue
@@ -317,7 +324,7 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
         for _, seqs in chunk:
             new.append(prepare(seqs))
             bar.update(1)
-        torch.save({"ids": ids, "groups": [[vars(s) for s in g] for g in new]}, path + ".tmp")
+        torch.save({"rows": digest, "groups": [[vars(s) for s in g] for g in new]}, path + ".tmp")
         os.replace(path + ".tmp", path)
         groups += new
     bar.close()
