@@ -153,6 +153,8 @@ def add_rcsd(sub):
     p.add_argument("--features", default=None, help="folder of the stored target features and reference scores "
                    "(default --out): runs with other training settings on the same sequences read them back")
     p.add_argument("--num-prompts", type=int, default=200, help="ShareGPT training prompts (90%% split)")
+    p.add_argument("--skip-prompts", type=int, default=0, help="training prompts to pass over first (continuing "
+                   "a head that has trained on them)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generated sequence")
     p.add_argument("--gen-batch", type=int, default=8, help="sequences generated per engine batch (lowlat runs "
                    "steps of up to its max_batch, 8, on its kernels; larger ones on the engine's slower forward)")
@@ -193,7 +195,8 @@ def run_rcsd(args):
         kwargs |= {"spec": "none", "draft": None}
     llm = LLM(**kwargs)
     train, _ = split_sharegpt(args.split_seed)
-    rows = generate_sequences(llm, train[: args.num_prompts], args.data, cfg.draft_lengths, args.max_new_tokens,
+    prompts = train[args.skip_prompts : args.skip_prompts + args.num_prompts]
+    rows = generate_sequences(llm, prompts, args.data, cfg.draft_lengths, args.max_new_tokens,
                               args.gen_batch)
     train_rcsd(llm.engine.model, init, rows, args.out, cfg, resume=not args.no_resume, prep_dir=args.features)
     print(f"wrote the {args.method} head to {args.out} (training.json, curves.png beside it)")
