@@ -10,7 +10,7 @@ from lanner import LLM, SamplingParams
 from lanner.engine.llm_engine import RequestError
 from lanner.spec.draft_head import DraftHead
 from lanner.train import rcsd
-from lanner.train.hass import TrainConfig, train_draft_head
+from lanner.train.hass import TrainConfig, target_to_draft, train_draft_head
 from lanner.train.rcsd import (
     RCSDConfig,
     Sequence,
@@ -84,8 +84,7 @@ def test_chain_logprobs_see_what_the_head_proposed(setup):
                               max_new_tokens=24)
     assert sorted((r["id"], r["k"]) for r in rows) == sorted((str(i), k) for i in range(6) for k in (0, 3))
     head = DraftHead.load(str(tmp / "hass"))
-    t2d = torch.full((V,), -1, dtype=torch.long)
-    t2d[head.d2t] = torch.arange(len(head.d2t))
+    t2d = target_to_draft(head, V)
     embed = torch.nn.Embedding.from_pretrained(target.engine.model.embed_tokens.weight.float())
     for r in [r for r in rows if r["k"] == 3]:
         s = Sequence(r, target.engine.model, head, t2d, 3, 640)
@@ -132,7 +131,8 @@ def test_training_moves_the_head_toward_the_target(setup, method, monkeypatch):
                    prep_dir=str(tmp / method))
         again, first = DraftHead.load(str(tmp / "again")), DraftHead.load(str(tmp / method))
         assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), first.state_dict().values()))
-        changed = [dict(r, output_ids=r["output_ids"][:-1] + [r["output_ids"][-1] + 1]) if r is rows[0] else r for r in rows]
+        changed = [dict(r, output_ids=r["output_ids"][:-1] + [r["output_ids"][-1] + 1]) if r is rows[0] else r
+                   for r in rows]
         with pytest.raises(pytest.fail.Exception, match="features computed again"):  # a changed sequence: recomputed
             train_rcsd(target.engine.model, str(tmp / "hass"), changed, str(tmp / "again"), cfg, resume=False,
                        prep_dir=str(tmp / method))
@@ -142,8 +142,7 @@ def test_training_moves_the_head_toward_the_target(setup, method, monkeypatch):
         embed = torch.nn.Embedding.from_pretrained(model.embed_tokens.weight.float())
 
         def lk_loss(head):  # the objective over the same sequences, before and after training
-            t2d = torch.full((V,), -1, dtype=torch.long)
-            t2d[head.d2t] = torch.arange(len(head.d2t))
+            t2d = target_to_draft(head, V)
             with torch.no_grad():
                 return sum(float(group_loss(head, embed, t2d, [Sequence(r, model, head, t2d, cfg.k, cfg.max_len)],
                                             cfg)[0]) for r in rows) / len(rows)

@@ -66,9 +66,9 @@ class OnlineTrainer:
         if state is not None:
             self.opt.load_state_dict(state["opt"])
             self.seen, self.rounds, self.opt_steps = set(state["seen"]), state["rounds"], state["opt_steps"]
-        d2t = self.student.d2t
-        self.t2d = torch.full((weight.shape[0],), -1, dtype=torch.long)
-        self.t2d[d2t] = torch.arange(len(d2t))
+        from lanner.train.hass import target_to_draft
+
+        self.t2d = target_to_draft(self.student, weight.shape[0])
 
     def _published_version(self) -> int:
         path = published_head(self.folder)

@@ -36,7 +36,8 @@ from tqdm import tqdm
 from lanner.bench.report import charts_or_warning, pyplot
 from lanner.layers.attention import build_attention_metadata
 from lanner.spec.draft_head import DraftHead
-from lanner.train.hass import TrainConfig, load_train_state, save_train_state, ttt_forward, ttt_losses
+from lanner.train.hass import (TrainConfig, load_train_state, save_train_state, target_to_draft, ttt_forward,
+                               ttt_losses)
 
 TARGET_ONLY = 0  # "k" of the sequence the target wrote alone
 PREP_CHUNK = 256  # prompts per stored file of target features and reference scores
@@ -280,8 +281,7 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     plot = charts_or_warning(os.path.join(out_dir, "curves.png"))
     head = DraftHead.load(init, torch.float32, "cpu").requires_grad_(True)
     ref = DraftHead.load(init, torch.float32, "cpu")
-    t2d = torch.full((model.cfg.vocab_size,), -1, dtype=torch.long)
-    t2d[head.d2t] = torch.arange(len(head.d2t))
+    t2d = target_to_draft(head, model.cfg.vocab_size)
     embed = torch.nn.Embedding.from_pretrained(model.embed_tokens.weight.float(), freeze=True)
 
     by_prompt: dict[str, dict[int, dict]] = {}
