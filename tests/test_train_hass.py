@@ -278,3 +278,33 @@ def test_train_base_streams_resumes_and_learns(tmp_path):
     assert runs["committed"]["curve"][-1]["held"]["agreement"][0] > curve[0]["held"]["agreement"][0] + 0.2
     assert curve[-1]["held"]["agreement"][0] > curve[0]["held"]["agreement"][0] + 0.2, curve
     assert (tmp_path / "whole" / "model.safetensors").exists() and (tmp_path / "whole" / "curve.png").exists()
+
+
+def test_greedy_objective_learns_the_top1_that_sampled_acceptance_spreads_over():
+    """On flat target distributions speculative sampling's acceptance is served by spreading the draft over the
+    top-K; greedy verification keeps a token only when the draft's argmax is the target's top-1. Each objective
+    raises its own: "greedy" reaches a top-1 agreement that "lk" does not."""
+    from lanner.train.hass import target_to_draft, ttt_losses
+
+    g = torch.Generator().manual_seed(2)
+    L = 40
+    tp, ti = (torch.rand(L, V, generator=g) * 0.3).softmax(-1).topk(4, dim=-1)
+    feats, ids = torch.randn(L, 192, generator=g), torch.randint(0, V, (L,), generator=g)
+    top1, neg_log_alpha = {}, {}
+    for objective in ("lk", "greedy"):
+        head = _random_head(vocab=V)
+        embed = torch.nn.Embedding(V, 64)
+        t2d = target_to_draft(head, V)
+        opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+        for _ in range(80):
+            total, _, acc = ttt_losses(head, embed, feats, ids, ti.int(), tp.half(), t2d, 0, 1, 1.0,
+                                       objective=objective)
+            opt.zero_grad()
+            total.backward()
+            opt.step()
+        with torch.no_grad():  # -log of the sampled acceptance sum_x min(p, q) over the rows, after training
+            _, (sampled,), _ = ttt_losses(head, embed, feats, ids, ti.int(), tp.half(), t2d, 0, 1, 1.0,
+                                          objective="lk", lk_kl_weight=0.0)
+        top1[objective], neg_log_alpha[objective] = acc[0], sampled
+    assert top1["greedy"] > top1["lk"] + 0.3, top1  # 1.0 against 0.26 here
+    assert neg_log_alpha["lk"] < neg_log_alpha["greedy"], neg_log_alpha  # LK keeps the better sampled acceptance

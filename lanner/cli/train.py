@@ -162,6 +162,9 @@ def add_rcsd(sub):
     p.add_argument("--no-resume", action="store_true", help="start training from scratch")
     p.add_argument("--ks", default="1,2,3", help="GRPO: draft lengths of the draft-alternating group members")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast of the head's matmuls in training")
+    p.add_argument("--accept", choices=["sampled", "greedy"], default="sampled", help="LK: the acceptance it "
+                   "raises, speculative sampling's or greedy verification's (the draft's probability of the "
+                   "target's top-1)")
     defaults = RCSDConfig()
     for name, help_text in [("k", "DPO: draft tokens per target token in the bad sequence (serving depth)"),
                             ("beta", "DPO temperature / GRPO KL weight"), ("epsilon", "GRPO ratio clip"),
@@ -184,7 +187,8 @@ def run_rcsd(args):
         cfg = RCSDConfig(method=args.method, k=args.k, ks=tuple(int(x) for x in args.ks.split(",")),
                          beta=args.beta, epsilon=args.epsilon, epochs=args.epochs, lr=args.lr,
                          warmup_steps=args.warmup_steps, grad_accum=args.grad_accum, max_len=args.max_len,
-                         checkpoint_every=args.checkpoint_every, seed=args.seed, bf16=args.bf16)
+                         checkpoint_every=args.checkpoint_every, seed=args.seed, bf16=args.bf16,
+                         accept=args.accept)
         init = resolve_draft(args.init)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")

@@ -267,9 +267,11 @@ def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from,
     (Samarin et al. 2026): -log alpha, alpha = sum_x min(p(x), q(x)) the speculative-sampling acceptance
     probability of the row (p: the target's top-K renormalized over the draft vocabulary), plus lk_kl_weight
     times the top-K cross-entropy, which keeps a gradient on rows whose alpha is ~0 (min() passes none to the
-    tokens where q already exceeds p)."""
-    if objective not in ("kl", "lk"):
-        raise ValueError(f"objective: must be 'kl' or 'lk', got {objective!r}")
+    tokens where q already exceeds p). "greedy": the same for greedy verification, where a draft token is kept
+    only if it is the target's top-1: -log q(top-1), plus lk_kl_weight times the top-K cross-entropy (alone on
+    rows whose top-1 is outside the draft vocabulary, which can never be accepted)."""
+    if objective not in ("kl", "lk", "greedy"):
+        raise ValueError(f"objective: must be 'kl', 'lk' or 'greedy', got {objective!r}")
     packed = lengths is not None
     lengths = [ids.shape[0]] if lengths is None else list(lengths)
     loss_from = list(loss_from) if packed else [loss_from]
@@ -295,6 +297,8 @@ def ttt_losses(head: DraftHead, embed, feats, ids, top_i, top_p, t2d, loss_from,
         if objective == "lk":
             alpha = torch.minimum(w, q.exp()).sum(-1)
             loss_rows = -alpha.clamp_min(1e-6).log() + lk_kl_weight * loss_rows
+        elif objective == "greedy":
+            loss_rows = -q[:, 0] * (best >= 0) + lk_kl_weight * loss_rows
         count = torch.zeros(S, device=ids.device).index_add_(0, seg, ok).clamp_min(1)
         loss = torch.zeros(S, device=ids.device).index_add_(0, seg, loss_rows * ok) / count  # per sequence
         hit = torch.zeros(S, device=ids.device).index_add_(0, seg, (logp.argmax(-1) == best).float() * ok) / count

@@ -19,7 +19,8 @@ Tokens the target wrote are masked out. The frozen initial head is the reference
   clipped token-level policy ratio against the generating (= reference) head plus a k3 KL penalty (beta).
 - LK (the control: a direct acceptance objective, not RCSD): on the target-only sequences alone, every position
   and chain step 0..k-1 trained as HASS does, with lanner.train.hass.ttt_losses' "lk" objective (-log of the
-  speculative acceptance probability, plus a little of the top-K cross-entropy).
+  speculative acceptance probability, plus a little of the top-K cross-entropy), or with accept="greedy" its
+  "greedy" one (-log of the draft's probability of the target's top-1, what greedy verification keeps).
 """
 from __future__ import annotations
 
@@ -59,12 +60,15 @@ class RCSDConfig:
     checkpoint_every: int = 50
     seed: int = 0
     bf16: bool = False  # bfloat16 autocast of the head's matmuls in training, as train-base trains the base
+    accept: str = "sampled"  # LK: the acceptance it raises, speculative sampling's ("sampled") or greedy's
 
     def __post_init__(self):
         if self.method not in ("dpo", "grpo", "lk"):
             raise ValueError(f"method: must be 'dpo', 'grpo' or 'lk', got {self.method!r}")
         if not 1 <= self.k <= 8 or not all(1 <= k <= 8 for k in self.ks) or not self.ks:
             raise ValueError("k and ks: draft lengths must be in 1..8")
+        if self.accept not in ("sampled", "greedy"):
+            raise ValueError(f"accept: must be 'sampled' or 'greedy', got {self.accept!r}")
 
     @property
     def draft_lengths(self) -> list[int]:
@@ -258,7 +262,8 @@ def group_loss(head: DraftHead, embed, t2d: torch.Tensor, group: list[Sequence],
     if cfg.method == "lk":
         s = group[0]
         loss, _, acc = ttt_losses(head, embed, s.feats.float(), s.ids, s.top_i, s.top_p, t2d, s.prompt_len,
-                                  cfg.k, TrainConfig.step_decay, objective="lk")
+                                  cfg.k, TrainConfig.step_decay,
+                                  objective="lk" if cfg.accept == "sampled" else "greedy")
         return loss, acc[0], sum(acc) / len(acc)
     policy = [s.chain_logprobs(head, embed) for s in group]
     if cfg.method == "dpo":
@@ -306,7 +311,9 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     # stored by chunks of prompts, named by what they depend on: a rerun or another run's head reads them back
     prep_dir = prep_dir or out_dir
     os.makedirs(prep_dir, exist_ok=True)
-    tag = hashlib.sha1(json.dumps([os.path.realpath(init), cfg.method, pattern_k, cfg.max_len, need,
+    # (LK stores no reference scores: its features do not depend on the head it starts from)
+    origin = None if cfg.method == "lk" else os.path.realpath(init)
+    tag = hashlib.sha1(json.dumps([origin, cfg.method, pattern_k, cfg.max_len, need,
                                    list(head.cfg.feature_layers), model.cfg.vocab_size, model.cfg.num_layers]
                                   ).encode()).hexdigest()[:10]
     groups = []
