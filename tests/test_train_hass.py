@@ -308,3 +308,28 @@ def test_greedy_objective_learns_the_top1_that_sampled_acceptance_spreads_over()
         top1[objective], neg_log_alpha[objective] = acc[0], sampled
     assert top1["greedy"] > top1["lk"] + 0.3, top1  # 1.0 against 0.26 here
     assert neg_log_alpha["lk"] < neg_log_alpha["greedy"], neg_log_alpha  # LK keeps the better sampled acceptance
+
+
+def test_widened_draft_vocabulary_keeps_the_trained_rows_and_adds_the_frequent_tokens(tmp_path):
+    from lanner.train.hass import draft_vocabulary, new_head, target_to_draft, widen_draft_vocabulary
+
+    tiny_target(tmp_path / "target")
+    model = LLM(model=str(tmp_path / "target"), dtype="float32", skip_tokenizer=True,
+                kv_cache_memory="0.05GiB").engine.model
+    g = torch.Generator().manual_seed(3)
+    seqs = [{"prompt_ids": [1, 2], "output_ids": (torch.randint(0, V, (30,), generator=g) % (7 + i)).tolist()}
+            for i in range(40)]
+    head = new_head(model, seqs[:10], 16)  # its vocabulary from a tenth of the answers
+    with torch.no_grad():
+        head.lm_head.weight.add_(torch.randn_like(head.lm_head.weight))  # "trained" rows, unlike the target's
+    old_ids, old_rows = head.d2t.clone(), head.lm_head.weight.clone()
+    head = widen_draft_vocabulary(head, model, seqs, 24)
+    assert head.cfg.draft_vocab_size == len(head.d2t) == head.lm_head.weight.shape[0] == 24
+    assert torch.equal(head.d2t[:16], old_ids) and torch.equal(head.lm_head.weight[:16], old_rows)
+    added = head.d2t[16:].tolist()
+    assert added == [t for t in draft_vocabulary(seqs, V, V).tolist() if t not in set(old_ids.tolist())][:8]
+    lm = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    assert torch.equal(head.lm_head.weight[16:], lm[added].float())
+    assert (target_to_draft(head, V)[head.d2t] == torch.arange(24)).all()
+    head.save(str(tmp_path / "wide"))
+    assert DraftHead.load(str(tmp_path / "wide")).lm_head.weight.shape == (24, 64)

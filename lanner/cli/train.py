@@ -165,6 +165,8 @@ def add_rcsd(sub):
     p.add_argument("--accept", choices=["sampled", "greedy"], default="sampled", help="LK: the acceptance it "
                    "raises, speculative sampling's or greedy verification's (the draft's probability of the "
                    "target's top-1)")
+    p.add_argument("--draft-vocab-size", type=int, default=0, help="grow the head's draft vocabulary to this many "
+                   "tokens (the target's most frequent answer tokens it lacks, output rows from the target's)")
     defaults = RCSDConfig()
     for name, help_text in [("k", "DPO: draft tokens per target token in the bad sequence (serving depth)"),
                             ("beta", "DPO temperature / GRPO KL weight"), ("epsilon", "GRPO ratio clip"),
@@ -188,7 +190,7 @@ def run_rcsd(args):
                          beta=args.beta, epsilon=args.epsilon, epochs=args.epochs, lr=args.lr,
                          warmup_steps=args.warmup_steps, grad_accum=args.grad_accum, max_len=args.max_len,
                          checkpoint_every=args.checkpoint_every, seed=args.seed, bf16=args.bf16,
-                         accept=args.accept)
+                         accept=args.accept, draft_vocab_size=args.draft_vocab_size)
         init = resolve_draft(args.init)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"lanner: error: {e}")

@@ -350,6 +350,26 @@ def new_head(target, sequences: list[dict], draft_vocab_size: int, intermediate_
     return head
 
 
+def widen_draft_vocabulary(head: DraftHead, target, sequences: list[dict], size: int) -> DraftHead:
+    """`head` with its draft vocabulary grown to `size`: the most frequent response tokens it lacks are appended,
+    their output rows copied from the target's (as new_head starts); the trained rows and ids stay as they were."""
+    have = set(head.d2t.tolist())
+    add = [t for t in draft_vocabulary(sequences, size + len(have), target.cfg.vocab_size).tolist()
+           if t not in have][: size - len(have)]
+    if not add:
+        return head
+    lm = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+    new = torch.tensor(add, dtype=torch.long, device=head.d2t.device)
+    weight = torch.cat([head.lm_head.weight.detach(), lm[new].to(head.lm_head.weight)])
+    head.cfg.draft_vocab_size = len(weight)
+    head.lm_head = torch.nn.Linear(weight.shape[1], len(weight), bias=False, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        head.lm_head.weight.copy_(weight)
+    head.lm_head.weight.requires_grad_(head.norm.weight.requires_grad)
+    head.d2t = torch.cat([head.d2t, new])
+    return head
+
+
 def target_to_draft(head: DraftHead, vocab_size: int) -> torch.Tensor:
     """[target vocab] -> draft id, -1 outside the draft vocabulary."""
     t2d = torch.full((vocab_size,), -1, dtype=torch.long, device=head.d2t.device)

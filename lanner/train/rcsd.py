@@ -38,7 +38,7 @@ from lanner.bench.report import charts_or_warning, pyplot
 from lanner.layers.attention import build_attention_metadata
 from lanner.spec.draft_head import DraftHead
 from lanner.train.hass import (TrainConfig, load_train_state, save_train_state, target_to_draft, ttt_forward,
-                               ttt_losses)
+                               ttt_losses, widen_draft_vocabulary)
 
 TARGET_ONLY = 0  # "k" of the sequence the target wrote alone
 PREP_CHUNK = 256  # prompts per stored file of target features and reference scores
@@ -61,6 +61,7 @@ class RCSDConfig:
     seed: int = 0
     bf16: bool = False  # bfloat16 autocast of the head's matmuls in training, as train-base trains the base
     accept: str = "sampled"  # LK: the acceptance it raises, speculative sampling's ("sampled") or greedy's
+    draft_vocab_size: int = 0  # > the init head's: grown to it with the answers' most frequent tokens it lacks
 
     def __post_init__(self):
         if self.method not in ("dpo", "grpo", "lk"):
@@ -286,6 +287,9 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     plot = charts_or_warning(os.path.join(out_dir, "curves.png"))
     head = DraftHead.load(init, torch.float32, "cpu").requires_grad_(True)
     ref = DraftHead.load(init, torch.float32, "cpu")
+    if cfg.draft_vocab_size > len(head.d2t):
+        answers = [r for r in rows if r["k"] == TARGET_ONLY]
+        head, ref = (widen_draft_vocabulary(h, model, answers, cfg.draft_vocab_size) for h in (head, ref))
     t2d = target_to_draft(head, model.cfg.vocab_size)
     embed = torch.nn.Embedding.from_pretrained(model.embed_tokens.weight.float(), freeze=True)
 
@@ -312,7 +316,7 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     prep_dir = prep_dir or out_dir
     os.makedirs(prep_dir, exist_ok=True)
     # (LK stores no reference scores: its features do not depend on the head it starts from)
-    origin = None if cfg.method == "lk" else os.path.realpath(init)
+    origin = None if cfg.method == "lk" else [os.path.realpath(init), len(head.d2t)]
     tag = hashlib.sha1(json.dumps([origin, cfg.method, pattern_k, cfg.max_len, need,
                                    list(head.cfg.feature_layers), model.cfg.vocab_size, model.cfg.num_layers]
                                   ).encode()).hexdigest()[:10]
