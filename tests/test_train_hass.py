@@ -311,6 +311,8 @@ def test_greedy_objective_learns_the_top1_that_sampled_acceptance_spreads_over()
 
 
 def test_widened_draft_vocabulary_keeps_the_trained_rows_and_adds_the_frequent_tokens(tmp_path):
+    """Growing a head's draft vocabulary keeps its rows and ids, appends the answers' most frequent tokens it lacks
+    with zero rows, and the head saves and loads at the new size."""
     from lanner.train.hass import draft_vocabulary, new_head, target_to_draft, widen_draft_vocabulary
 
     tiny_target(tmp_path / "target")
@@ -328,8 +330,7 @@ def test_widened_draft_vocabulary_keeps_the_trained_rows_and_adds_the_frequent_t
     assert torch.equal(head.d2t[:16], old_ids) and torch.equal(head.lm_head.weight[:16], old_rows)
     added = head.d2t[16:].tolist()
     assert added == [t for t in draft_vocabulary(seqs, V, V).tolist() if t not in set(old_ids.tolist())][:8]
-    lm = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    assert torch.equal(head.lm_head.weight[16:], lm[added].float())
+    assert not head.lm_head.weight[16:].any()  # the new rows start off, learned by the training that follows
     assert (target_to_draft(head, V)[head.d2t] == torch.arange(24)).all()
     head.save(str(tmp_path / "wide"))
     assert DraftHead.load(str(tmp_path / "wide")).lm_head.weight.shape == (24, 64)

@@ -166,7 +166,7 @@ def add_rcsd(sub):
                    "raises, speculative sampling's or greedy verification's (the draft's probability of the "
                    "target's top-1)")
     p.add_argument("--draft-vocab-size", type=int, default=0, help="grow the head's draft vocabulary to this many "
-                   "tokens (the target's most frequent answer tokens it lacks, output rows from the target's)")
+                   "tokens (the target's most frequent answer tokens it lacks, zero output rows, learned in training)")
     defaults = RCSDConfig()
     for name, help_text in [("k", "DPO: draft tokens per target token in the bad sequence (serving depth)"),
                             ("beta", "DPO temperature / GRPO KL weight"), ("epsilon", "GRPO ratio clip"),
