@@ -18,6 +18,7 @@ from lanner.train.data import (
     sharegpt_prompts,
     split_sharegpt,
 )
+from lanner.train.eval_accept import short_labels
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -131,3 +132,5 @@ def test_eval_accept_cli(llm32, tmp_path):
     png.unlink()
     assert main(["eval-accept", "--json", str(out), "--replot"]) == 0  # the chart again, from the JSON alone
     assert png.stat().st_size > 0 and json.loads(out.read_text()) == result
+    # heads of several runs share a folder name: the legend tells them apart by their parents
+    assert short_labels(["runs/a/head", "runs/b/head", "hass"]) == ["a/head", "b/head", "hass"]

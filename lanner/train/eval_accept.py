@@ -170,6 +170,16 @@ def format_table(rows: list[dict]) -> str:
     return table + "\n\n(tau = emitted tokens per verify step; tok/s = decode tok/s, prefill excluded)"
 
 
+def short_labels(paths: list[str]) -> list[str]:
+    """The shortest trailing path parts that tell the drafts apart (folders of several runs share a name)."""
+    parts = [p.rstrip("/").split("/") for p in paths]
+    for n in range(1, max(map(len, parts)) + 1):
+        labels = ["/".join(x[-n:]) for x in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return paths
+
+
 def chart(result: dict, png_path: str):
     """One draft: tau against k per dataset. Several: per k, tau per dataset as bars, one per draft."""
     rows, drafts, steps, datasets = result["rows"], list(result["drafts"]), result["steps"], result["datasets"]
@@ -183,18 +193,19 @@ def chart(result: dict, png_path: str):
     plt = report.pyplot()
     fig, axes = plt.subplots(1, len(steps), figsize=(5 * len(steps), 4.5), sharey=True, squeeze=False)
     width = 0.8 / len(drafts)
+    labels = short_labels(drafts)
     for ax, k in zip(axes[0], steps):
         for i, d in enumerate(drafts):
             xs = [j + (i - (len(drafts) - 1) / 2) * width for j in range(len(datasets))]
-            ax.bar(xs, [tau[d, name, k] for name in datasets], width, label=os.path.basename(d.rstrip("/")) or d)
+            ax.bar(xs, [tau[d, name, k] for name in datasets], width, label=labels[i] if ax is axes[0][0] else None)
         ax.set_xticks(range(len(datasets)), datasets)
         ax.set_title(f"k = {k}")
         ax.set_ylim(1.0, None)
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].set_ylabel("tau (tokens per verify step)")
-    axes[0][-1].legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
+    fig.legend(fontsize=8, loc="lower center", ncol=min(3, len(drafts)))
+    fig.tight_layout(rect=(0, 0.06 * -(-len(drafts) // 3), 1, 1))  # room below the axes for the legend
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
 
