@@ -159,6 +159,12 @@ def test_training_moves_the_head_toward_the_target(setup, method, monkeypatch):
     assert [o.token_ids for o in out] == [o.token_ids for o in plain]
 
 
+def test_config_names_a_setting_its_method_does_not_have():
+    with pytest.raises(ValueError, match="accept: chooses the LK objective; method 'dpo'"):
+        RCSDConfig(method="dpo", accept="greedy")
+    assert RCSDConfig(method="lk", accept="greedy").accept == "greedy"
+
+
 def test_grpo_advantages_prefer_the_target_like_sequence():
     class S:
         def __init__(self, lp, acc):

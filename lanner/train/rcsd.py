@@ -70,6 +70,8 @@ class RCSDConfig:
             raise ValueError("k and ks: draft lengths must be in 1..8")
         if self.accept not in ("sampled", "greedy"):
             raise ValueError(f"accept: must be 'sampled' or 'greedy', got {self.accept!r}")
+        if self.accept != "sampled" and self.method != "lk":
+            raise ValueError(f"accept: chooses the LK objective; method {self.method!r} has its own")
 
     @property
     def draft_lengths(self) -> list[int]:
@@ -315,7 +317,8 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     # stored by chunks of prompts, named by what they depend on: a rerun or another run's head reads them back
     prep_dir = prep_dir or out_dir
     os.makedirs(prep_dir, exist_ok=True)
-    # (LK stores no reference scores: its features do not depend on the head it starts from)
+    # (LK stores no reference scores and reads none of the head's draft ids back: its features do not depend on
+    # the head it starts from)
     origin = None if cfg.method == "lk" else [os.path.realpath(init), len(head.d2t)]
     tag = hashlib.sha1(json.dumps([origin, cfg.method, pattern_k, cfg.max_len, need,
                                    list(head.cfg.feature_layers), model.cfg.vocab_size, model.cfg.num_layers]
