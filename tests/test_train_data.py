@@ -10,6 +10,8 @@ from lanner.cli import main
 from lanner.spec.draft_head import random_draft_head
 from lanner.train.data import (
     _json_list_prefix,
+    code_prompts,
+    humaneval_rows,
     generate_responses,
     load_eval_set,
     load_prompts_file,
@@ -74,6 +76,23 @@ def test_eval_set_sizes():
     assert len({item["id"] for item in gsm8k}) == 1319
     with pytest.raises(ValueError, match="unknown eval set"):
         load_eval_set("nope")
+
+
+def test_code_prompts_are_humaneval_shaped_tasks_from_source_files():
+    import ast
+
+    items = code_prompts(30)
+    assert len(items) == 30 and len({i["id"] for i in items}) == 30 and code_prompts(30) == items
+    he = load_eval_set("humaneval", limit=1)[0]["turns"][0]
+    head, tail = he[: he.index("```python\n") + 10], "```"
+    entry_points = {r["entry_point"] for r in humaneval_rows()}
+    for item in items:
+        text = item["turns"][0]
+        assert text.startswith(head) and text.endswith(tail) and item["id"].startswith("code/")
+        # a signature and its docstring, the body left to write: exactly what HumanEval asks
+        fn = ast.parse(text[len(head) : -len(tail)]).body[-1]
+        assert isinstance(fn, ast.FunctionDef) and fn.name not in entry_points
+        assert len(fn.body) == 1 and len(ast.get_docstring(fn)) >= 40
 
 
 def test_prompts_file_errors_name_the_line(tmp_path):

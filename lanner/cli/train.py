@@ -155,6 +155,8 @@ def add_rcsd(sub):
     p.add_argument("--num-prompts", type=int, default=200, help="ShareGPT training prompts (90%% split)")
     p.add_argument("--skip-prompts", type=int, default=0, help="training prompts to pass over first (continuing "
                    "a head that has trained on them)")
+    p.add_argument("--code-prompts", type=int, default=0, metavar="N", help="also N HumanEval-style tasks from "
+                   "real source files (signature and docstring of installed packages' functions; no HumanEval task)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per generated sequence")
     p.add_argument("--gen-batch", type=int, default=8, help="sequences generated per engine batch (lowlat runs "
                    "steps of up to its max_batch, 8, on its kernels; larger ones on the engine's slower forward)")
@@ -182,7 +184,7 @@ def add_rcsd(sub):
 def run_rcsd(args):
     from lanner.llm import LLM
     from lanner.spec.drafts import resolve_draft
-    from lanner.train.data import split_sharegpt
+    from lanner.train.data import code_prompts, split_sharegpt
     from lanner.train.rcsd import RCSDConfig, generate_sequences, train_rcsd
 
     try:
@@ -201,7 +203,7 @@ def run_rcsd(args):
         kwargs |= {"spec": "none", "draft": None}
     llm = LLM(**kwargs)
     train, _ = split_sharegpt(args.split_seed)
-    prompts = train[args.skip_prompts : args.skip_prompts + args.num_prompts]
+    prompts = train[args.skip_prompts : args.skip_prompts + args.num_prompts] + code_prompts(args.code_prompts)
     rows = generate_sequences(llm, prompts, args.data, cfg.draft_lengths, args.max_new_tokens,
                               args.gen_batch)
     train_rcsd(llm.engine.model, init, rows, args.out, cfg, resume=not args.no_resume, prep_dir=args.features)

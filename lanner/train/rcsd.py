@@ -37,6 +37,7 @@ from tqdm import tqdm
 from lanner.bench.report import charts_or_warning, pyplot
 from lanner.layers.attention import build_attention_metadata
 from lanner.spec.draft_head import DraftHead
+from lanner.train.data import CODE_ID_PREFIX
 from lanner.train.hass import (TrainConfig, load_train_state, save_train_state, target_to_draft, ttt_forward,
                                ttt_losses, widen_draft_vocabulary)
 
@@ -299,8 +300,10 @@ def train_rcsd(model, init: str, rows: list[dict], out_dir: str, cfg: RCSDConfig
     for r in rows:
         by_prompt.setdefault(r["id"], {})[r["k"]] = r
     need = [TARGET_ONLY] + cfg.draft_lengths
-    # (a prompt that fills max_len leaves no output to train on)
-    items = [(pid, seqs) for pid, seqs in sorted(by_prompt.items())
+    # (a prompt that fills max_len leaves no output to train on; code tasks sort after ShareGPT, so adding them
+    # leaves the stored chunks of a ShareGPT-only run valid)
+    order = sorted(by_prompt, key=lambda pid: (pid.startswith(CODE_ID_PREFIX), pid))
+    items = [(pid, seqs) for pid, seqs in ((pid, by_prompt[pid]) for pid in order)
              if all(k in seqs for k in need) and len(seqs[TARGET_ONLY]["prompt_ids"]) < cfg.max_len]
     if not items:
         raise ValueError("rcsd: no prompt has all the sequences this method needs; generate them first")
