@@ -259,6 +259,8 @@ def code_prompts(count: int, seed: int = 0) -> list[dict]:
     """`count` HumanEval-style tasks from real source: top-level functions of CODE_PACKAGES' files, signature and
     docstring, body left to write, asked as eval-accept asks HumanEval. Files in the order `seed` shuffles them,
     at most three tasks per file; ids "code/<file>:<function>"."""
+    if count <= 0:
+        return []
     base, files = code_files(seed)
     items = []
     for path in files:
