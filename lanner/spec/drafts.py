@@ -10,7 +10,7 @@ import os
 DRAFTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "drafts")
 # hass: the base head (lanner train-base, 8M tokens); grpo: it after RCSD GRPO on 200 prompts (mean tau +0.6% at
 # k = 3 and 6 over 4 datasets); default: it after direct acceptance losses on the whole ShareGPT training split and
-# 1,500 HumanEval-style code tasks, LK and then greedy verification's (+11.8% / +14.0%; docs/draft-heads.md)
+# 1,500 HumanEval-style code tasks, LK and then greedy verification's (+12.2% / +14.4%; docs/draft-heads.md)
 SHIPPED = {"hass": "smollm2-135m-base", "grpo": "smollm2-135m-base-grpo", "lk": "smollm2-135m-base-lk-code"}
 SHIPPED["default"] = SHIPPED["lk"]
 MTP = "mtp"  # not a folder: the engine builds the draft from the target's own checkpoint
